@@ -1,0 +1,149 @@
+"""Causal self-attention: the shared core, and grouped-query attention with rotary (Llama, Arcee).
+
+The core takes queries, keys and values already split into heads and does the rest: scores, an
+optional score modifier (alpha-er's soft cap), the mask, softmax, the mix, and the output projection.
+When no hook reads or writes the scores or the pattern, it calls the fused
+`scaled_dot_product_attention`, which never materializes them; otherwise it computes them
+explicitly. Both paths give the same numbers (tests/hooked_models/components/test_attention.py).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from hooked_models.components.rotary import apply_rotary
+from hooked_models.hooks import HookedModule, ValueHook
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer's attention needs from the model's forward, computed once per forward.
+
+    `mask` is None for a plain causal mask, else a boolean [batch 1 query key] (True: may attend).
+    `cos` and `sin` are None for models without rotary.
+    """
+
+    mask: Bool[Tensor, "batch 1 query key"] | None = None
+    cos: Float[Tensor, "batch seq head_dim"] | None = None
+    sin: Float[Tensor, "batch seq head_dim"] | None = None
+
+
+def causal_mask(attention_mask: Tensor | None, seq: int, device: torch.device) -> Tensor | None:
+    """The boolean mask for a padded batch, or None where the plain causal mask serves.
+
+    A query may attend to earlier real tokens and always to itself, so padding rows stay finite
+    (their outputs are never read) and real rows are exactly those of the unpadded prompt.
+    """
+    if attention_mask is None:
+        return None
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    keys = attention_mask.bool()[:, None, None, :]
+    eye = torch.eye(seq, dtype=torch.bool, device=device)
+    return (causal & keys) | eye
+
+
+class SelfAttention(HookedModule):
+    """The attention core shared by every family.
+
+    Subclasses own the projections that make queries, keys and values; `o_proj` maps the heads,
+    side by side, back to the residual stream. `score_mod` (a module, or None) rewrites the scaled
+    scores before the mask: alpha-er passes its soft cap here. Heads are `num_heads` query heads
+    over `num_kv_heads` key/value heads; keys and values are hooked before the grouped-query repeat,
+    so an edit to key/value head j reaches query heads j·g … j·g+g−1 (g = num_heads / num_kv_heads).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, score_mod: nn.Module | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.groups = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.score_mod = score_mod
+        for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",
+                     "attention_premix", "attention_output", "attention_probabilities",
+                     "attention_head_outputs", "attention_head_results"):
+            setattr(self, name, ValueHook(name))
+
+    def wants_explicit_scores(self) -> bool:
+        """Whether anyone reads or writes the scores or the pattern (else the fused path serves)."""
+        explicit = self.attention_scores.has_hooks() or self.attention_probabilities.has_hooks()
+        return explicit or self.score_mod is not None
+
+    def attend(
+        self,
+        q: Float[Tensor, "batch num_heads seq qk_head_dim"],
+        k: Float[Tensor, "batch num_kv_heads seq qk_head_dim"],
+        v: Float[Tensor, "batch num_kv_heads seq head_dim"],
+        inputs: AttentionInputs,
+    ) -> Float[Tensor, "batch seq hidden_size"]:
+        q = self.attention_queries(q)
+        k = self.attention_keys(k)
+        v = self.attention_values(v)
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        mask = inputs.mask
+        if mask is None and seq_q != seq_k:
+            # Queries are the last seq_q positions (a key/value cache holds the earlier ones).
+            mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
+        if self.wants_explicit_scores():
+            k_rep = k.repeat_interleave(self.groups, dim=1) if self.groups > 1 else k
+            v_rep = v.repeat_interleave(self.groups, dim=1) if self.groups > 1 else v
+            scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.scale
+            if self.score_mod is not None:
+                scores = self.score_mod(scores)
+            if mask is None:
+                mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
+            scores = self.attention_scores(scores.masked_fill(~mask, float("-inf")))
+            # Softmax in float32 and back, as transformers does, so bf16 patterns agree with it.
+            probs = self.attention_probabilities(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
+            mixed = torch.matmul(probs, v_rep)
+        else:
+            mixed = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=self.groups > 1,
+            )
+        heads = self.attention_head_outputs(mixed.transpose(1, 2))
+        premix = self.attention_premix(heads)
+        if self.attention_head_results.has_hooks():
+            results = self.attention_head_results(self.head_results(premix))
+            return self.attention_output(results.sum(-2) + self.out_bias())
+        return self.attention_output(self.o_proj(premix.flatten(-2)))
+
+    def head_results(
+        self, premix: Float[Tensor, "batch seq num_heads head_dim"]
+    ) -> Float[Tensor, "batch seq num_heads hidden_size"]:
+        """Each head's term of the output projection (bias excluded): they sum to its output."""
+        w = self.o_proj.weight.view(-1, self.num_heads, self.head_dim)
+        return torch.einsum("bshd,mhd->bshm", premix, w)
+
+    def out_bias(self) -> Tensor | float:
+        bias = getattr(self.o_proj, "bias", None)
+        return 0.0 if bias is None else bias
+
+
+class GroupedQueryAttention(SelfAttention):
+    """Llama's attention: q, k, v and o projections without bias, rotary on queries and keys."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.attention_queries_unrotated = ValueHook("attention_queries_unrotated")
+        self.attention_keys_unrotated = ValueHook("attention_keys_unrotated")
+
+    def forward(
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs
+    ) -> Float[Tensor, "batch seq hidden_size"]:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(self.attention_queries_unrotated(q), inputs.cos, inputs.sin)
+        k = apply_rotary(self.attention_keys_unrotated(k), inputs.cos, inputs.sin)
+        return self.attend(q, k, v, inputs)

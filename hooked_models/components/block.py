@@ -1,0 +1,41 @@
+"""The pre-norm residual block, composed from the modules it is given."""
+
+import torch.nn as nn
+from jaxtyping import Float
+from torch import Tensor
+
+from hooked_models.components.attention import AttentionInputs
+from hooked_models.hooks import HookedModule, ValueHook
+
+
+class PreNormBlock(HookedModule):
+    """h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+
+    The contributions are added with nothing in between, so
+    `layer_input + attention_output + mlp_output == layer_output` holds exactly.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
+                 post_attention_layernorm: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        for name in ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input",
+                     "layer_output"):
+            setattr(self, name, ValueHook(name))
+
+    # TransformerLens's module names, as read-only views of the same modules.
+    attn = property(lambda self: self.self_attn)
+    ln1 = property(lambda self: self.input_layernorm)
+    ln2 = property(lambda self: self.post_attention_layernorm)
+
+    def forward(
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs
+    ) -> Float[Tensor, "batch seq hidden_size"]:
+        x = self.layer_input(x)
+        attention_output = self.self_attn(self.attention_norm_output(self.input_layernorm(x)), inputs)
+        h = self.layer_mid(x + attention_output)
+        mlp_in = self.mlp_input(self.mlp_norm_output(self.post_attention_layernorm(h)))
+        return self.layer_output(h + self.mlp(mlp_in))

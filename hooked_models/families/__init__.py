@@ -1,0 +1,1 @@
+"""Hooked model families: each a short recipe over the shared components."""

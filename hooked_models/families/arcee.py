@@ -1,0 +1,176 @@
+"""Arcee AFM (`ArceeForCausalLM`): Llama's block with an ungated squared-ReLU MLP.
+
+What differs from Llama: the MLP has no gate_proj; it is down_proj(relu(up_proj(x))²), so a neuron
+is exactly zero wherever its pre-activation is negative. AFM-4.5B has 20 query heads over 4
+key/value heads, 128 wide, and stretches its rotary with YaRN (factor 20 over 4096 positions).
+Extra hooks beyond the standard vocabulary: none of its own; the components add the norms'
+scale/normalized, pre-rotary queries/keys, the MLP pre-activation and per-head results.
+Reference: transformers `models/arcee/modeling_arcee.py`; the nnterp family page in shared/seeds.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from hooked_models.components import (
+    AttentionInputs,
+    GroupedQueryAttention,
+    PreNormBlock,
+    ReLUSquared,
+    RMSNorm,
+    RopeConfig,
+    RotaryEmbedding,
+    UngatedMLP,
+)
+from hooked_models.components.attention import causal_mask
+from hooked_models.hooks import ValueHook
+from hooked_models.model import HookedModel
+
+
+@dataclass
+class ArceeConfig:
+    """The standardized fields of the family page, plus what the family needs.
+
+    TransformerLens's names for the same fields (`n_layers`, `d_model`, ...) are read-only properties.
+    """
+
+    num_layers: int = 36
+    hidden_size: int = 2560
+    num_heads: int = 20
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    vocab_size: int = 128004
+    intermediate_size: int = 18432
+    max_position_embeddings: int = 65536
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    model_name: str = "arcee"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim
+
+    # TransformerLens's field names.
+    n_layers = property(lambda self: self.num_layers)
+    d_model = property(lambda self: self.hidden_size)
+    n_heads = property(lambda self: self.num_heads)
+    n_key_value_heads = property(lambda self: self.num_kv_heads)
+    d_head = property(lambda self: self.head_dim)
+    d_mlp = property(lambda self: self.intermediate_size)
+    d_vocab = property(lambda self: self.vocab_size)
+    d_vocab_out = property(lambda self: self.vocab_size)
+    n_ctx = property(lambda self: self.max_position_embeddings)
+    eps = property(lambda self: self.rms_norm_eps)
+    act_fn = property(lambda self: "relu2")
+    normalization_type = property(lambda self: "RMS")
+    positional_embedding_type = property(lambda self: "rotary")
+    rotary_base = property(lambda self: self.rope.theta)
+    rotary_dim = property(lambda self: self.head_dim)
+    gated_mlp = property(lambda self: False)
+    attn_only = property(lambda self: False)
+    final_rms = property(lambda self: True)
+    original_architecture = property(lambda self: "ArceeForCausalLM")
+
+    def with_(self, **changes) -> "ArceeConfig":
+        return replace(self, **changes)
+
+
+# arcee-ai/AFM-4.5B: YaRN factor 20 over 4096 original positions, stretched to 65536.
+AFM_4_5B = ArceeConfig(
+    vocab_size=128005,
+    rope=RopeConfig("yarn", theta=10000.0, factor=20.0, original_max_position_embeddings=4096),
+    bos_token_id=128000,
+)
+# arcee-ai/AFM-4.5B-Base-Pre-Anneal: the plain rotary over 4096 positions.
+AFM_4_5B_PRE_ANNEAL = ArceeConfig(vocab_size=128256, max_position_embeddings=4096, bos_token_id=128000)
+
+
+def positions_from_mask(attention_mask: Tensor | None, batch: int, seq: int, device) -> Int[Tensor, "batch seq"]:
+    """Each row's positions count from its first real token (padding gets position 0)."""
+    if attention_mask is None:
+        return torch.arange(seq, device=device).expand(batch, seq)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class HookedArcee(HookedModel):
+    """A hooked Arcee AFM: the module tree and hooks of the standard vocabulary.
+
+    Load with `HookedArcee.from_pretrained(path)` or `HookedArcee.from_hf(model)`.
+    """
+
+    def __init__(self, cfg: ArceeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([
+            PreNormBlock(
+                self_attn=GroupedQueryAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                mlp=UngatedMLP(cfg.hidden_size, cfg.intermediate_size, ReLUSquared()),
+                input_layernorm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+                post_attention_layernorm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            )
+            for _ in range(cfg.num_layers)
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.tie_weights()
+        for name in ("logits", "token_embeddings", "final_norm_output", "lm_head_output", "next_token_probs",
+                     "input_ids", "attention_mask", "input_size"):
+            setattr(self, name, ValueHook(name))
+        self.to(dtype=cfg.dtype)
+        self.setup()
+
+    def tie_weights(self):
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _logits(
+        self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None
+    ) -> Float[Tensor, "batch seq vocab_size"]:
+        batch, seq = tokens.shape
+        x = self.token_embeddings(self.embed_tokens(tokens))
+        cos, sin = self.rotary_emb(positions_from_mask(attention_mask, batch, seq, tokens.device), x.dtype)
+        inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device), cos=cos, sin=sin)
+        for layer in self.layers:
+            x = layer(x, inputs)
+        x = self.final_norm_output(self.norm(x))
+        return self.lm_head_output(self.lm_head(x))
+
+    @classmethod
+    def from_hf(cls, hf_model, dtype: torch.dtype | None = None, device=None) -> "HookedArcee":
+        """From an in-memory transformers `ArceeForCausalLM` (its weights are copied)."""
+        from weight_conversion.arcee import load_from_hf_model
+
+        return load_from_hf_model(hf_model, dtype=dtype, device=device)
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str, dtype: torch.dtype | None = None, device=None,
+                        progress: bool | None = None) -> "HookedArcee":
+        """From an HF checkpoint directory (config.json, one or many safetensors shards, tokenizer),
+        or a Hub id already in the local HF cache (offline). Streams shard by shard into a model
+        built on the meta device, so peak memory stays near one copy of the weights."""
+        from weight_conversion.arcee import load_arcee_checkpoint
+
+        return load_arcee_checkpoint(path_or_id, dtype=dtype, device=device, progress=progress)
+
+    def save_pretrained(self, path: str, max_shard_size: int | str = "5GB") -> None:
+        """Write an HF checkpoint (config.json + safetensors) that `ArceeForCausalLM` loads."""
+        from weight_conversion.arcee import save_arcee_checkpoint
+
+        save_arcee_checkpoint(self, path, max_shard_size=max_shard_size)

@@ -1,0 +1,91 @@
+"""HookPoints that know which standard value they carry, and the printout that shows them."""
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformer_lens.hook_points import HookPoint
+
+from hooked_models.vocabulary import VALUES, Value
+
+
+class HookWriteError(ValueError):
+    """A hook returned something that cannot replace the value it was given."""
+
+
+class ValueHook(HookPoint):
+    """A HookPoint for one standard value.
+
+    Every forward hook added here is checked when it returns: a write to a read-only value, or a
+    replacement whose shape or dtype differs from the value's, raises an error that names the hook
+    and both shapes (rather than failing later, deep inside a matmul).
+    """
+
+    def __init__(self, value: Value | str):
+        super().__init__()
+        self.value = VALUES[value] if isinstance(value, str) else value
+        self.pos_dim = self.value.seq_axis
+
+    def add_hook(self, hook, dir="fwd", is_permanent=False, level=None, prepend=False, alias_names=None):
+        if dir == "fwd":
+            hook = _CheckedHook(hook, self)
+        return super().add_hook(hook, dir, is_permanent, level, prepend, alias_names)
+
+    def has_hooks(self, dir="both", including_permanent=True, level=None) -> bool:
+        # Fast path for the forward's "is anyone looking?" checks.
+        if dir == "both" and including_permanent and level is None:
+            return bool(self.fwd_hooks or self.bwd_hooks)
+        return super().has_hooks(dir, including_permanent, level)
+
+    def __repr__(self) -> str:
+        return f"-> {self.value.layout_text}: {self.value.meaning}"
+
+
+class _CheckedHook:
+    """Wraps a user's hook so that what it returns is checked against what it was given."""
+
+    def __init__(self, fn, point: ValueHook):
+        self.fn, self.point = fn, point
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+    def __call__(self, tensor: torch.Tensor, *, hook) -> Any:
+        out = self.fn(tensor, hook=hook)
+        if out is None:
+            return None
+        name = getattr(hook, "name", None) or self.point.name
+        if self.point.value.read_only:
+            raise HookWriteError(
+                f"hook on {name!r} returned a tensor, but {self.point.value.name} is read-only "
+                f"({self.point.value.meaning}); return None from a hook that only reads it"
+            )
+        if not isinstance(out, torch.Tensor):
+            raise HookWriteError(f"hook on {name!r} returned {type(out).__name__}, expected a tensor or None")
+        if out.shape != tensor.shape or out.dtype != tensor.dtype:
+            raise HookWriteError(
+                f"hook on {name!r} returned shape {tuple(out.shape)} {out.dtype}, but the value it "
+                f"replaces is {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        return out
+
+
+class HookedModule(nn.Module):
+    """A module whose printout lists its standard values under its children, as the family page does:
+
+        (attention_queries) -> Queries [batch num_heads seq qk_head_dim]: The queries entering attention
+    """
+
+    def __repr__(self) -> str:
+        lines = []
+        extra = self.extra_repr()
+        if extra:
+            lines.extend(extra.split("\n"))
+        modules = [(n, m) for n, m in self._modules.items() if not isinstance(m, ValueHook)]
+        hooks = [(n, m) for n, m in self._modules.items() if isinstance(m, ValueHook)]
+        lines.extend(f"({n}): {m!r}" for n, m in modules)
+        lines.extend(f"({n}) {m!r}" for n, m in hooks)
+        if not lines:
+            return f"{type(self).__name__}()"
+        body = "\n".join("  " + line for line in "\n".join(lines).split("\n"))
+        return f"{type(self).__name__}(\n{body}\n)"

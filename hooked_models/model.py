@@ -1,0 +1,346 @@
+"""The root of every hooked model: names, hooks, the cache, the printout and the forward's edges.
+
+A family subclasses `HookedModel`, builds its modules, calls `setup()`, and implements `_logits`.
+Everything a user touches by name goes through `resolve_hook_name`, which accepts the standard name
+(`layers.0.self_attn.attention_queries`) or the TransformerLens one (`blocks.0.attn.hook_rot_q`) and
+maps the second onto the first: one HookPoint per value, an alias is only a second name.
+"""
+
+import difflib
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint, _AliasedHookPoint
+from transformer_lens.utilities import Slice
+
+from hooked_models.cache import HookedActivationCache
+from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
+
+
+class _AliasHook:
+    """A user's hook added under a TransformerLens name: it sees that name and that layout,
+    and what it returns is mapped back to the standard layout."""
+
+    def __init__(self, fn: Callable, alias: str, value: Value):
+        self.fn, self.alias, self.value = fn, alias, value
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+    def __call__(self, tensor: Tensor, *, hook: HookPoint):
+        out = self.fn(self.value.to_tl(tensor), hook=_AliasedHookPoint(self.alias, hook))
+        return self.value.from_tl(out) if isinstance(out, Tensor) else out
+
+
+class HookedModel(HookedModule, HookedRootModule):
+    """Shared root of HookedArcee and HookedAlphaEr."""
+
+    tokenizer: Any = None
+
+    def __init__(self):
+        super().__init__()
+        self.aliases: dict[str, str] = {}
+
+    # ----------------------------------------------------------------------------------- names
+    def setup(self):
+        """Index every HookPoint by its standard name and every alias by its TransformerLens name.
+
+        Call at the end of `__init__`, and again after replacing a submodule.
+        """
+        super().setup()
+        self.aliases = {}
+        for name, point in self.hook_dict.items():
+            value = getattr(point, "value", None)
+            if value is None or value.tl is None:
+                continue
+            module_path = name.rpartition(".")[0]
+            host = module_path.rpartition(".")[0] if value.tl_on_parent else module_path
+            tl_host = tl_module_path(host)
+            if tl_host is not None:
+                self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
+        self._alias_names: dict[str, list[str]] = {}
+        for alias, canonical in self.aliases.items():
+            self._alias_names.setdefault(canonical, []).append(alias)
+
+    def resolve_hook_name(self, name: str) -> tuple[str, Value | None]:
+        """(standard name, the Value whose layout an alias converts, or None where none is needed)."""
+        if name in self.hook_dict:
+            return name, None
+        if name in self.aliases:
+            canonical = self.aliases[name]
+            value = self.hook_dict[canonical].value
+            return canonical, value if value.tl_layout else None
+        known = list(self.hook_dict) + list(self.aliases)
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise KeyError(f"no hook named {name!r} on {type(self).__name__}{hint}")
+
+    def hook_names(self, name: str) -> list[str]:
+        """Every name a HookPoint answers to: its standard name first, then its aliases."""
+        return [name, *self._alias_names.get(name, [])]
+
+    def _matching_points(self, name: str | Callable[[str], bool]):
+        """(HookPoint, standard name, alias or None) for a name or a filter on names."""
+        if isinstance(name, str):
+            canonical, _ = self.resolve_hook_name(name)
+            yield self.hook_dict[canonical], canonical, (name if name != canonical else None)
+            return
+        for canonical, point in self.hook_dict.items():
+            matched = next((n for n in self.hook_names(canonical) if name(n)), None)
+            if matched is not None:
+                yield point, canonical, (matched if matched != canonical else None)
+
+    def _wrap_for_alias(self, hook: Callable, canonical: str, alias: str | None) -> Callable:
+        if alias is None:
+            return hook
+        return _AliasHook(hook, alias, self.hook_dict[canonical].value)
+
+    # ----------------------------------------------------------------------------------- hooks
+    def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:
+        """Add a hook by standard name, TransformerLens name, or a filter on names."""
+        for point, canonical, alias in list(self._matching_points(name)):
+            self.check_and_add_hook(point, canonical, self._wrap_for_alias(hook, canonical, alias), dir=dir,
+                                    is_permanent=is_permanent, level=level, prepend=prepend)
+
+    def _enable_hook(self, name, hook, dir) -> None:
+        for point, canonical, alias in list(self._matching_points(name)):
+            point.add_hook(self._wrap_for_alias(hook, canonical, alias), dir=dir, level=self.context_level)
+
+    def get_caching_hooks(self, names_filter=None, incl_bwd=False, device=None, remove_batch_dim=False,
+                          cache=None, pos_slice=None):
+        """Hooks that store each selected value under its standard name.
+
+        `names_filter` may name values by standard or TransformerLens name; `pos_slice` slices each
+        value's own position axis, read from its layout.
+        """
+        cache = {} if cache is None else cache
+        pos_slice = Slice.unwrap(pos_slice)
+        if names_filter is None:
+            selected = lambda name: True  # noqa: E731
+        elif isinstance(names_filter, str):
+            selected = {self.resolve_hook_name(names_filter)[0]}.__contains__
+        elif isinstance(names_filter, (list, tuple, set)):
+            selected = {self.resolve_hook_name(n)[0] for n in names_filter}.__contains__
+        elif callable(names_filter):
+            selected = lambda name: any(names_filter(n) for n in self.hook_names(name))  # noqa: E731
+        else:
+            raise ValueError(f"names_filter must be a name, a list of names or a function, not {names_filter!r}")
+        self.is_caching = True
+
+        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | None):
+            stored = tensor.detach()
+            if device is not None:
+                stored = stored.to(device)
+            if remove_batch_dim and stored.ndim > 0 and stored.shape[0] == 1:
+                stored = stored[0]
+            if seq_axis is not None and pos_slice.mode != "identity":
+                stored = pos_slice.apply(stored, dim=seq_axis)
+            cache[name] = stored
+
+        fwd, bwd = [], []
+        for name, point in self.hook_dict.items():
+            if not selected(name):
+                continue
+            seq_axis = point.value.seq_axis if isinstance(point, ValueHook) else None
+            fwd.append((name, partial(save, name=name, seq_axis=seq_axis)))
+            if incl_bwd:
+                bwd.append((name, partial(save, name=name + "_grad", seq_axis=seq_axis)))
+        return cache, fwd, bwd
+
+    def run_with_cache(self, *model_args, names_filter=None, device=None, remove_batch_dim=False,
+                       incl_bwd=False, reset_hooks_end=True, clear_contexts=False, pos_slice=None,
+                       return_cache_object=True, **model_kwargs):
+        """Run the model and return (output, cache): an ActivationCache keyed by standard names."""
+        cache_dict, fwd, bwd = self.get_caching_hooks(names_filter, incl_bwd, device, remove_batch_dim,
+                                                      pos_slice=pos_slice)
+        with self.hooks(fwd_hooks=fwd, bwd_hooks=bwd, reset_hooks_end=reset_hooks_end,
+                        clear_contexts=clear_contexts):
+            out = self(*model_args, **model_kwargs)
+            if incl_bwd:
+                out.backward()
+        if not return_cache_object:
+            return out, cache_dict
+        return out, HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
+    # ----------------------------------------------------------------------------------- views
+    def support(self) -> Support:
+        """The table of values this model exposes, by host module: name, layout, meaning, where read."""
+        rows = []
+        for name, point in self.hook_dict.items():
+            if not isinstance(point, ValueHook):
+                continue
+            value = point.value
+            aliases = self._alias_names.get(name, [])
+            rows.append(SupportRow(value.host, name.rpartition(".")[0] or type(self).__name__, name,
+                                   value.layout_text, value.meaning, value.read_at,
+                                   aliases[0] if aliases else None))
+        return Support(rows)
+
+    @property
+    def blocks(self):
+        """TransformerLens's name for the layers (read-only view)."""
+        return self.layers
+
+    @property
+    def ln_final(self):
+        return self.norm
+
+    @property
+    def unembed(self):
+        return self.lm_head
+
+    @property
+    def embed(self):
+        return self.embed_tokens
+
+    # --------------------------------------------------------------------------------- forward
+    def forward(self, input, attention_mask: Tensor | None = None, return_type: str | None = "logits"):
+        """Logits [batch seq vocab_size] for tokens [batch seq] (or text, through the tokenizer).
+
+        `attention_mask` marks real tokens with 1 and padding with 0, on either side; each row's
+        positions count from its first real token. `return_type` is "logits", "loss" (mean next-token
+        cross-entropy over real tokens), "both" ((logits, loss)) or None.
+        """
+        tokens, attention_mask = self._prepare_inputs(input, attention_mask)
+        tokens = self.input_ids(tokens)
+        if attention_mask is None and self.attention_mask.has_hooks():
+            attention_mask = torch.ones_like(tokens)
+        if attention_mask is not None:
+            attention_mask = self.attention_mask(attention_mask)
+        if self.input_size.has_hooks():
+            self.input_size(torch.tensor(tuple(tokens.shape)))
+        logits = self.logits(self._logits(tokens, attention_mask))
+        if self.next_token_probs.has_hooks():
+            self.next_token_probs(self._next_token_probs(logits, attention_mask))
+        if return_type is None:
+            return None
+        if return_type == "logits":
+            return logits
+        loss = self.loss(logits, tokens, attention_mask)
+        if return_type == "loss":
+            return loss
+        if return_type == "both":
+            return logits, loss
+        raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, not {return_type!r}")
+
+    def _logits(self, tokens: Int[Tensor, "batch seq"], attention_mask: Tensor | None) -> Tensor:
+        raise NotImplementedError  # each family implements its forward
+
+    @staticmethod
+    def _next_token_probs(logits: Tensor, attention_mask: Tensor | None) -> Float[Tensor, "batch vocab_size"]:
+        if attention_mask is None:
+            last = logits[:, -1]
+        else:
+            # The last real position of each row, whichever side the padding is on.
+            positions = torch.arange(logits.shape[1], device=logits.device)
+            index = (attention_mask.bool() * (positions + 1)).argmax(-1)
+            last = logits[torch.arange(logits.shape[0], device=logits.device), index]
+        return last.float().softmax(-1)
+
+    @staticmethod
+    def loss(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy, over positions whose next token is real."""
+        losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        if attention_mask is None:
+            return losses.mean()
+        keep = (attention_mask[:, 1:] * attention_mask[:, :-1]).flatten().to(losses.dtype)
+        return (losses * keep).sum() / keep.sum()
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.n_ctx
+
+    def _prepare_inputs(self, input, attention_mask):
+        """Tokens and mask, checked: a clear ValueError for anything the model cannot run."""
+        if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
+            tokens, mask = self.to_tokens(input, return_mask=True)
+            attention_mask = mask if attention_mask is None else attention_mask
+            input = tokens
+        if not isinstance(input, Tensor):
+            raise ValueError(f"input must be a token tensor [batch seq] or text, not {type(input).__name__}")
+        tokens = input
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be 2-D [batch seq], got shape {tuple(tokens.shape)}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+        if tokens.numel() == 0:
+            raise ValueError(f"tokens are empty (shape {tuple(tokens.shape)}); give at least one token")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if tokens.shape[1] > self.max_positions:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's {self.max_positions} positions")
+        if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(tokens.shape):
+                shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
+                raise ValueError(f"attention_mask has shape {shape}, but the tokens are {tuple(tokens.shape)}")
+            if bool((attention_mask.sum(-1) == 0).any()):
+                raise ValueError("attention_mask has a row with no real token (all zeros)")
+            attention_mask = attention_mask.to(tokens.device)
+        return tokens, attention_mask
+
+    # ---------------------------------------------------------------------------------- tokens
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                f"this {type(self).__name__} has no tokenizer; pass token ids, or load a checkpoint "
+                "directory that has tokenizer files (or set model.tokenizer)"
+            )
+        return self.tokenizer
+
+    def to_tokens(self, input, prepend_bos: bool = True, padding_side: str = "right",
+                  return_mask: bool = False, move_to_device: bool = True, truncate: bool = True):
+        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`."""
+        tokenizer = self._require_tokenizer()
+        texts = [input] if isinstance(input, str) else list(input)
+        encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if prepend_bos and bos is not None:
+            encoded = [[bos, *ids] for ids in encoded]
+        if truncate:
+            encoded = [ids[: self.max_positions] for ids in encoded]
+        width = max(len(ids) for ids in encoded)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (bos or 0)
+        tokens = torch.full((len(encoded), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            span = slice(0, len(ids)) if padding_side == "right" else slice(width - len(ids), width)
+            tokens[row, span] = torch.tensor(ids, dtype=torch.long)
+            mask[row, span] = 1
+        if move_to_device:
+            tokens, mask = tokens.to(self.cfg.device), mask.to(self.cfg.device)
+        if return_mask:
+            return tokens, (None if bool(mask.all()) else mask)
+        return tokens
+
+    def to_string(self, tokens) -> str | list[str]:
+        """Token ids -> text: one string for a 1-D input, a list for 2-D."""
+        tokenizer = self._require_tokenizer()
+        if isinstance(tokens, Tensor) and tokens.ndim == 2:
+            return [tokenizer.decode(row) for row in tokens.tolist()]
+        if isinstance(tokens, Tensor):
+            tokens = tokens.tolist()
+        return tokenizer.decode(tokens)
+
+    def to_str_tokens(self, input, prepend_bos: bool = True) -> list[str]:
+        """Each token as the text it stands for."""
+        tokenizer = self._require_tokenizer()
+        if isinstance(input, str):
+            input = self.to_tokens(input, prepend_bos=prepend_bos)[0]
+        if isinstance(input, Tensor):
+            input = input.flatten().tolist() if input.ndim < 2 or input.shape[0] == 1 else input.tolist()
+        return [tokenizer.decode([t]) for t in input]
+
+    def to_single_token(self, text: str) -> int:
+        """The id of a string that is exactly one token (" Paris"), else a ValueError."""
+        tokens = self.to_tokens(text, prepend_bos=False)[0]
+        if tokens.numel() != 1:
+            raise ValueError(f"{text!r} is {tokens.numel()} tokens, not one")
+        return int(tokens[0])

@@ -1,0 +1,1 @@
+"""Converters from source checkpoints to hooked models, and back. Imports hooked_models, never the reverse."""

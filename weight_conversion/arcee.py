@@ -1,0 +1,243 @@
+"""Arcee AFM: transformers' config and state dict <-> HookedArcee's.
+
+The converters are pure: `convert_arcee_config` maps a config.json dict to an `ArceeConfig` and
+refuses fields it does not understand; `convert_arcee_name` maps one tensor name; and
+`convert_arcee_state_dict` applies it to a whole state dict, every source tensor consumed and every
+target filled. The loaders around them read and write real checkpoint directories.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hooked_models.components.rotary import ROPE_TYPES, RopeConfig
+from hooked_models.families.arcee import ArceeConfig, HookedArcee
+from weight_conversion.checkpoint import (
+    CheckpointError,
+    checkpoint_bytes,
+    iter_tensors,
+    read_json,
+    resolve_checkpoint_dir,
+    save_sharded,
+    stream_into,
+    weight_files,
+)
+
+# config.json fields that change nothing about the forward (bookkeeping, training, generation).
+_IGNORED_FIELDS = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "initializer_range",
+    "use_cache", "attention_dropout", "_name_or_path", "auto_map", "output_attentions",
+    "output_hidden_states", "return_dict", "pretraining_tp", "rope_theta", "rope_scaling", "rope_parameters",
+    "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "hidden_act", "attention_bias",
+    "mlp_bias", "head_dim", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
+    "quantization_config_ignored", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
+    "tokenizer_class", "is_encoder_decoder", "tf_legacy_loss", "use_bfloat16", "pruned_heads",
+    "finetuning_task", "add_cross_attention", "cross_attention_hidden_size", "is_decoder",
+    "_attn_implementation_autoset", "layer_types",
+}
+_SHAPE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}
+_ROPE_FIELDS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def convert_arcee_config(hf: dict) -> ArceeConfig:
+    """A transformers Arcee config (config.json as a dict) -> ArceeConfig.
+
+    Refuses a model_type other than "arcee", an activation other than relu2, biases, a rope type
+    other than default or yarn, and any field it does not know, naming the field.
+    """
+    model_type = hf.get("model_type")
+    if model_type != "arcee":
+        raise CheckpointError(f"model_type is {model_type!r}; HookedArcee loads model_type 'arcee' only")
+    unknown = sorted(set(hf) - _IGNORED_FIELDS - _SHAPE_FIELDS)
+    if unknown:
+        raise CheckpointError(f"config field(s) {unknown} are not understood by the Arcee converter")
+    missing = sorted(_SHAPE_FIELDS - set(hf))
+    if missing:
+        raise CheckpointError(f"config is missing field(s) {missing}")
+    if hf.get("hidden_act", "relu2") != "relu2":
+        raise CheckpointError(f"hidden_act is {hf['hidden_act']!r}; Arcee's MLP is relu2")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"{flag} is true; Arcee checkpoints have no biases and none are supported")
+    heads = hf["num_attention_heads"]
+    return ArceeConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        vocab_size=hf["vocab_size"],
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope=convert_rope(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32),
+    )
+
+
+def convert_rope(hf: dict) -> RopeConfig:
+    """Rotary parameters from either spelling: `rope_parameters` (transformers 5) or `rope_scaling`
+    with a top-level `rope_theta` (older files, AFM-4.5B's own config.json)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    unknown = sorted(set(params) - _ROPE_FIELDS)
+    if unknown:
+        raise CheckpointError(f"rope parameter(s) {unknown} are not understood by the Arcee converter")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return RopeConfig("default", theta=float(theta))
+    return RopeConfig(
+        "yarn",
+        theta=float(theta),
+        factor=params.get("factor"),
+        original_max_position_embeddings=params.get("original_max_position_embeddings",
+                                                    hf.get("max_position_embeddings")),
+        attention_factor=params.get("attention_factor"),
+        beta_fast=params.get("beta_fast") or 32.0,
+        beta_slow=params.get("beta_slow") or 1.0,
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=params.get("truncate", True),
+    )
+
+
+def convert_arcee_name(name: str) -> str:
+    """`model.layers.3.mlp.up_proj.weight` -> `layers.3.mlp.up_proj.weight`: the hooked tree keeps
+    transformers' module names without the `model.` prefix."""
+    if name == "lm_head.weight":
+        return name
+    if name.startswith("model."):
+        return name[len("model."):]
+    raise KeyError(name)
+
+
+def is_derived_arcee_tensor(name: str) -> bool:
+    """Tensors some files carry that are computed, not learned (rotary frequencies)."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def convert_arcee_state_dict(state: dict[str, torch.Tensor], cfg: ArceeConfig) -> dict[str, torch.Tensor]:
+    """A transformers state dict -> HookedArcee's, with every tensor consumed and every target filled."""
+    out = {}
+    for name, tensor in state.items():
+        if is_derived_arcee_tensor(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        try:
+            out[convert_arcee_name(name)] = tensor
+        except KeyError:
+            raise CheckpointError(f"unexpected tensor {name!r}") from None
+    return out
+
+
+def hooked_to_hf_state_dict(model: HookedArcee) -> dict[str, torch.Tensor]:
+    """The way back: HookedArcee's parameters under transformers' names."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if model.cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        out[name if name == "lm_head.weight" else f"model.{name}"] = tensor
+    return out
+
+
+def hf_config_dict(cfg: ArceeConfig) -> dict:
+    """ArceeConfig -> the config.json that transformers' ArceeConfig reads."""
+    rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
+    if cfg.rope.rope_type == "yarn":
+        for field in ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                      "mscale", "mscale_all_dim", "truncate"):
+            value = getattr(cfg.rope, field)
+            if value is not None:
+                rope[field] = value
+    dtype = {v: k for k, v in _DTYPES.items()}.get(cfg.dtype, "float32")
+    return {
+        "architectures": ["ArceeForCausalLM"], "model_type": "arcee", "hidden_act": "relu2",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False, "mlp_bias": False, "dtype": dtype,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+    }
+
+
+# ------------------------------------------------------------------------------------------ loaders
+def _build_on_meta(cfg: ArceeConfig) -> HookedArcee:
+    with torch.device("meta"):
+        return HookedArcee(cfg)
+
+
+def _finish(model: HookedArcee, dtype: torch.dtype, device) -> HookedArcee:
+    model.tie_weights()
+    model.cfg.dtype, model.cfg.device = dtype, torch.device(device)
+    model.setup()
+    return model.eval()
+
+
+def load_from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None) -> HookedArcee:
+    """From an in-memory `ArceeForCausalLM`; the weights are copied."""
+    cfg = convert_arcee_config(hf_model.config.to_dict())
+    first = next(hf_model.parameters())
+    dtype = dtype or first.dtype
+    device = device or first.device
+    cfg.dtype = dtype
+    model = _build_on_meta(cfg)
+    state = convert_arcee_state_dict(hf_model.state_dict(), cfg)
+    triples = ((type(hf_model).__name__, name, tensor.detach().clone()) for name, tensor in state.items())
+    stream_into(model, triples, rename=lambda name: name, dtype=dtype, device=device)
+    return _finish(model, dtype, device)
+
+
+def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=None,
+                          progress: bool | None = None) -> HookedArcee:
+    """From an HF directory: config.json, safetensors shards (or a weights-only pickle), tokenizer."""
+    directory = resolve_checkpoint_dir(path_or_id)
+    cfg = convert_arcee_config(read_json(directory / "config.json"))
+    dtype = dtype or cfg.dtype
+    device = device or "cpu"
+    cfg.dtype = dtype
+    files = weight_files(directory)
+    model = _build_on_meta(cfg)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    bar = tqdm(total=checkpoint_bytes(files), unit="B", unit_scale=True, desc="loading", disable=not progress)
+    triples = ((file, name, tensor) for file in files for name, tensor in iter_tensors(file))
+    skip = lambda name: is_derived_arcee_tensor(name) or (cfg.tie_word_embeddings and name == "lm_head.weight")  # noqa: E731
+    try:
+        stream_into(model, triples, rename=convert_arcee_name, dtype=dtype, device=device, skip=skip, progress=bar)
+    finally:
+        bar.close()
+    model = _finish(model, dtype, device)
+    model.tokenizer = load_tokenizer(directory)
+    return model
+
+
+def load_tokenizer(directory: Path):
+    """The checkpoint's tokenizer when its files are there, else None."""
+    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+def save_arcee_checkpoint(model: HookedArcee, path, max_shard_size: int | str = "5GB") -> None:
+    """config.json + safetensors (sharded past `max_shard_size`) + the tokenizer, for transformers."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(model.cfg), indent=2))
+    save_sharded(hooked_to_hf_state_dict(model), directory, max_shard_size)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(directory))
