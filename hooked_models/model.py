@@ -8,7 +8,8 @@ maps the second onto the first: one HookPoint per value, an alias is only a seco
 
 import difflib
 from functools import partial
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -118,7 +118,8 @@ class Value:
 _HEADS_TO_TL = "batch head seq d -> batch seq head d"
 
 
-def _values(host: str, rows: list[tuple]) -> dict[str, Value]:
+def declare_values(host: str, rows: list[tuple]) -> dict[str, Value]:
+    """Values from rows of (name, layout, meaning, read_at[, options]): the form every table uses."""
     table = {}
     for name, layout, meaning, read_at, *options in rows:
         table[name] = Value(name, host, layout, meaning, read_at, **(options[0] if options else {}))
@@ -126,7 +127,7 @@ def _values(host: str, rows: list[tuple]) -> dict[str, Value]:
 
 
 # The family page's values, by host.
-MODEL_VALUES = _values("model", [
+MODEL_VALUES = declare_values("model", [
     ("input_ids", "Tokens", "The token ids the model was called with", "the model's own input"),
     ("attention_mask", "Tokens", "The attention mask the model was called with; zeros are padding",
      "the model's own input"),
@@ -148,7 +149,7 @@ MODEL_VALUES = _values("model", [
      dict(read_only=True, lazy=True)),
 ])
 
-LAYER_VALUES = _values("layer", [
+LAYER_VALUES = declare_values("layer", [
     ("layer_input", "Residual", "The residual stream entering the block", "the module's own input",
      dict(tl="hook_resid_pre")),
     ("attention_norm_output", "Residual", "The normed stream entering the attention",
@@ -163,7 +164,7 @@ LAYER_VALUES = _values("layer", [
      "the module's own output", dict(tl="hook_resid_post")),
 ])
 
-ATTENTION_VALUES = _values("attention", [
+ATTENTION_VALUES = declare_values("attention", [
     ("attention_queries", "Queries", "The queries entering attention",
      "inside the forward, after rotary", dict(tl="hook_rot_q", tl_layout=_HEADS_TO_TL)),
     ("attention_keys", "Keys", "The keys entering attention",
@@ -184,7 +185,7 @@ ATTENTION_VALUES = _values("attention", [
      "inside the forward: the pattern times the values", dict(tl="hook_z")),
 ])
 
-MLP_VALUES = _values("mlp", [
+MLP_VALUES = declare_values("mlp", [
     ("mlp_activation", "Neurons", "The activation function's output", "the child module act_fn's output"),
     ("mlp_neurons", "Neurons",
      "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise",
@@ -195,7 +196,7 @@ MLP_VALUES = _values("mlp", [
 
 # Values the shared components add beyond the family page, in the same form.
 COMPONENT_VALUES = {
-    **_values("attention", [
+    **declare_values("attention", [
         ("attention_queries_unrotated", "Queries", "The queries as projected, before rotary",
          "the child module q_proj's output, split into heads",
          dict(tl="hook_q", tl_layout=_HEADS_TO_TL)),
@@ -206,11 +207,11 @@ COMPONENT_VALUES = {
          "Each head's contribution to the residual stream; they sum to attention_output. "
          "Computed only while hooked", "each head's slice of o_proj", dict(tl="hook_result", lazy=True)),
     ]),
-    **_values("mlp", [
+    **declare_values("mlp", [
         ("mlp_pre_activation", "Neurons", "The MLP's pre-activation, what the activation function reads",
          "the child module up_proj's output", dict(tl="hook_pre")),
     ]),
-    **_values("norm", [
+    **declare_values("norm", [
         ("norm_scale", "Scale", "The norm's divisor: sqrt(mean square + eps), or the standard deviation",
          "inside the norm", dict(tl="hook_scale")),
         ("norm_normalized", "Residual", "The normalized stream before the norm's weight (and bias)",
