@@ -8,6 +8,7 @@ scale/normalized, pre-rotary queries/keys, the MLP pre-activation and per-head r
 Reference: transformers `models/arcee/modeling_arcee.py`; the nnterp family page in shared/seeds.
 """
 
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -160,7 +161,7 @@ class HookedArcee(HookedModel):
         return load_from_hf_model(hf_model, dtype=dtype, device=device)
 
     @classmethod
-    def from_pretrained(cls, path_or_id: str, dtype: torch.dtype | None = None, device=None,
+    def from_pretrained(cls, path_or_id: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
                         progress: bool | None = None) -> "HookedArcee":
         """From an HF checkpoint directory (config.json, one or many safetensors shards, tokenizer),
         or a Hub id already in the local HF cache (offline). Streams shard by shard into a model
@@ -169,7 +170,7 @@ class HookedArcee(HookedModel):
 
         return load_arcee_checkpoint(path_or_id, dtype=dtype, device=device, progress=progress)
 
-    def save_pretrained(self, path: str, max_shard_size: int | str = "5GB") -> None:
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
         """Write an HF checkpoint (config.json + safetensors) that `ArceeForCausalLM` loads."""
         from weight_conversion.arcee import save_arcee_checkpoint
 
