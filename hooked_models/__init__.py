@@ -7,6 +7,7 @@
 """
 
 from hooked_models.cache import HookedActivationCache
+from hooked_models.families.alpha_er import ALPHA_ER, AlphaErConfig, HookedAlphaEr
 from hooked_models.families.arcee import AFM_4_5B, AFM_4_5B_PRE_ANNEAL, ArceeConfig, HookedArcee
 from hooked_models.model import HookedModel
 from hooked_models.vocabulary import STANDARD_VALUES, VALUES, Value
@@ -14,8 +15,11 @@ from hooked_models.vocabulary import STANDARD_VALUES, VALUES, Value
 __all__ = [
     "AFM_4_5B",
     "AFM_4_5B_PRE_ANNEAL",
+    "ALPHA_ER",
+    "AlphaErConfig",
     "ArceeConfig",
     "HookedActivationCache",
+    "HookedAlphaEr",
     "HookedArcee",
     "HookedModel",
     "STANDARD_VALUES",

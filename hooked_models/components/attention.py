@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hooked_models.components.rotary import apply_rotary
 from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.vocabulary import declare_values
 
 
 @dataclass
@@ -116,11 +117,19 @@ class SelfAttention(HookedModule):
     def head_results(
         self, premix: Float[Tensor, "batch seq num_heads head_dim"]
     ) -> Float[Tensor, "batch seq num_heads hidden_size"]:
-        """Each head's term of the output projection (bias excluded): they sum to its output."""
+        """Each head's term of the output projection (bias excluded): they sum to its output.
+
+        An output projection that is not one matrix (alpha-er's factored o_proj) splits itself,
+        through its own `head_results` and `out_bias`.
+        """
+        if hasattr(self.o_proj, "head_results"):
+            return self.o_proj.head_results(premix)
         w = self.o_proj.weight.view(-1, self.num_heads, self.head_dim)
         return torch.einsum("bshd,mhd->bshm", premix, w)
 
     def out_bias(self) -> Tensor | float:
+        if hasattr(self.o_proj, "out_bias"):
+            return self.o_proj.out_bias()
         bias = getattr(self.o_proj, "bias", None)
         return 0.0 if bias is None else bias
 
@@ -146,4 +155,62 @@ class GroupedQueryAttention(SelfAttention):
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(self.attention_queries_unrotated(q), inputs.cos, inputs.sin)
         k = apply_rotary(self.attention_keys_unrotated(k), inputs.cos, inputs.sin)
+        return self.attend(q, k, v, inputs)
+
+
+# The soft cap's own value, in the vocabulary's form.
+SOFT_CAP_VALUES = declare_values("attention", [
+    ("attention_raw_scores", "Pattern", "The scaled scores q·k/sqrt(d) before the soft cap, unmasked",
+     "the child module score_mod's input"),
+])
+
+
+class SoftCap(HookedModule):
+    """Logit soft-capping, tanh(s / cap) · cap, on the scaled scores before the mask; cap 0 is off.
+
+    alpha-er's trainer applies it (cap 30) and `scaled_dot_product_attention` has no equivalent; the
+    alpha-er reference reports an 82% logit disagreement without it. Gemma 2 uses the same form.
+    """
+
+    def __init__(self, cap: float):
+        super().__init__()
+        if cap < 0:
+            raise ValueError(f"soft cap must be >= 0 (0 turns it off), got {cap}")
+        self.cap = cap
+        self.attention_raw_scores = ValueHook(SOFT_CAP_VALUES["attention_raw_scores"])
+
+    def forward(
+        self, scores: Float[Tensor, "batch num_heads query key"]
+    ) -> Float[Tensor, "batch num_heads query key"]:
+        scores = self.attention_raw_scores(scores)
+        if not self.cap:
+            return scores
+        return torch.tanh(scores / self.cap) * self.cap
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap}" if self.cap else "cap=0 (off)"
+
+
+class FusedQKVAttention(SelfAttention):
+    """Attention whose queries, keys and values come from one projection, split in that order.
+
+    The projections are passed in (alpha-er: factored qkv_proj and o_proj, no rotary), as is the
+    score modifier. Keys and values have as many heads as queries.
+    """
+
+    def __init__(self, qkv_proj: nn.Module, o_proj: nn.Module, num_heads: int, head_dim: int,
+                 score_mod: nn.Module | None = None):
+        super().__init__(num_heads, num_heads, head_dim, score_mod=score_mod)
+        self.qkv_proj = qkv_proj
+        self.o_proj = o_proj
+
+    def forward(
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs
+    ) -> Float[Tensor, "batch seq hidden_size"]:
+        batch, seq, _ = x.shape
+        width = self.num_heads * self.head_dim
+        q, k, v = (
+            t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv_proj(x).split(width, dim=-1)
+        )
         return self.attend(q, k, v, inputs)

@@ -1,4 +1,5 @@
-"""MLPs: the ungated two-projection MLP with a pluggable activation (Arcee's relu², GPT's GELU)."""
+"""MLPs: the ungated two-projection MLP with a pluggable activation (Arcee's relu², GPT's GELU), and
+alpha-er's positional expert MLP."""
 
 import torch
 import torch.nn as nn
@@ -6,6 +7,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.vocabulary import declare_values
 
 
 class ReLUSquared(nn.Module):
@@ -32,3 +34,105 @@ class UngatedMLP(HookedModule):
         pre = self.mlp_pre_activation(self.up_proj(x))
         neurons = self.mlp_neurons(self.mlp_activation(self.act_fn(pre)))
         return self.mlp_output(self.down_proj(neurons))
+
+
+# The positional expert MLP's own value, in the vocabulary's form.
+EXPERT_VALUES = declare_values("mlp", [
+    ("mlp_expert_index", "ExpertIndex",
+     "Each token's expert, floor(t·G/T) for position t of a length-T sequence; read-only",
+     "inside the forward: the routing", dict(read_only=True, lazy=True)),
+])
+
+
+class ExpertLinear(nn.Module):
+    """G independent linear maps, `weight` [expert out_features in_features] (F.linear's layout per expert)."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+
+    def forward(
+        self, x: Float[Tensor, "batch expert window in_features"]
+    ) -> Float[Tensor, "batch expert window out_features"]:
+        return torch.einsum("bgsi,goi->bgso", x, self.weight)
+
+    def extra_repr(self) -> str:
+        experts, out_features, in_features = self.weight.shape
+        return f"{experts} experts, {in_features} -> {out_features}"
+
+
+class PositionalExpertMLP(HookedModule):
+    """alpha-er's conditional MLP: G experts of width intermediate_size/G, routed by position.
+
+    A token at position t of a length-T sequence goes to expert floor(t·G/T), so the sequence is cut
+    into G contiguous windows and window g runs through expert g: one batched einsum per projection,
+    as the alpha-er reference computes it. Routing depends on the position only, never on the batch
+    (the reference's docstring: routing on the flattened batch index tied the weights to one batch
+    shape). T must be a multiple of G.
+
+    `mlp_pre_activation`, `mlp_activation` and `mlp_neurons` keep the standard dense layout
+    [batch seq intermediate_size]: neuron n of expert g is index g·width + n, zero outside the
+    token's expert. The dense form is built only while a hook reads or writes it; what a hook writes
+    flows on, the next step reading each token's own expert slice of it.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, experts: int, activation: nn.Module):
+        super().__init__()
+        if intermediate_size % experts:
+            raise ValueError(f"intermediate_size={intermediate_size} is not a multiple of experts={experts}")
+        self.experts, self.width = experts, intermediate_size // experts
+        self.up_proj = ExpertLinear(experts, hidden_size, self.width)
+        self.down_proj = ExpertLinear(experts, self.width, hidden_size)
+        self.act_fn = activation
+        self.mlp_expert_index = ValueHook(EXPERT_VALUES["mlp_expert_index"])
+        self.mlp_pre_activation = ValueHook("mlp_pre_activation")
+        self.mlp_activation = ValueHook("mlp_activation")
+        self.mlp_neurons = ValueHook("mlp_neurons")
+        self.mlp_output = ValueHook("mlp_output")
+
+    def expert_index(self, seq: int, device=None) -> Tensor:
+        """The expert of each position of a length-`seq` sequence: floor(t·G/T)."""
+        return torch.arange(seq, device=device) * self.experts // seq
+
+    def forward(self, x: Float[Tensor, "batch seq hidden_size"]) -> Float[Tensor, "batch seq hidden_size"]:
+        batch, seq, hidden = x.shape
+        if seq % self.experts:
+            raise ValueError(
+                f"sequence length {seq} is not a multiple of the MLP's {self.experts} experts: "
+                f"the experts own windows of seq/{self.experts} positions"
+            )
+        if self.mlp_expert_index.has_hooks():
+            self.mlp_expert_index(self.expert_index(seq, x.device).expand(batch, seq))
+        # Window g of the sequence (positions g·T/G ... (g+1)·T/G - 1) is expert g's.
+        windows = x.view(batch, self.experts, seq // self.experts, hidden)
+        pre = self._dense_hooks(self.up_proj(windows), self.mlp_pre_activation)
+        neurons = self._dense_hooks(self.act_fn(pre), self.mlp_activation, self.mlp_neurons)
+        return self.mlp_output(self.down_proj(neurons).reshape(batch, seq, hidden))
+
+    def _dense_hooks(
+        self, compact: Float[Tensor, "batch expert window width"], *points: ValueHook
+    ) -> Float[Tensor, "batch expert window width"]:
+        """Run `points` in order on the dense form, if any is hooked; back to each token's own slice."""
+        if not any(point.has_hooks() for point in points):
+            return compact
+        dense = self.densify(compact)
+        for point in points:
+            dense = point(dense)
+        return self.compact(dense)
+
+    @staticmethod
+    def densify(compact: Float[Tensor, "batch expert window width"]) -> Float[Tensor, "batch seq intermediate_size"]:
+        """Each token's expert slice in place in a [batch seq intermediate_size] tensor of zeros."""
+        batch, experts, window, width = compact.shape
+        dense = compact.new_zeros(batch, experts, window, experts, width)
+        index = torch.arange(experts, device=compact.device)
+        # Advanced indices split by a slice put their dimension first: [expert batch window width].
+        dense[:, index, :, index] = compact.transpose(0, 1)
+        return dense.view(batch, experts * window, experts * width)
+
+    def compact(self, dense: Float[Tensor, "batch seq intermediate_size"]) -> Float[Tensor, "batch expert window width"]:
+        """The inverse of `densify`: each token's own expert slice, whatever is written elsewhere."""
+        batch, seq, _ = dense.shape
+        index = torch.arange(self.experts, device=dense.device)
+        blocks = dense.reshape(batch, self.experts, seq // self.experts, self.experts, self.width)
+        return blocks[:, index, :, index].transpose(0, 1)

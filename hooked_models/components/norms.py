@@ -6,6 +6,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.vocabulary import Value
 
 
 class RMSNorm(HookedModule):
@@ -36,16 +37,17 @@ class LayerNorm(HookedModule):
     """(x - mean) / sqrt(var + eps) · weight + bias, as `torch.nn.LayerNorm` computes it.
 
     Works over the last dimension of any shape, so it serves the residual stream and alpha-er's
-    rank-r bottlenecks alike.
+    rank-r bottlenecks alike; `normalized` is the Value its normalized output carries (a norm on a
+    bottleneck declares one with the bottleneck's layout).
     """
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, normalized: Value | str = "norm_normalized"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.bias = nn.Parameter(torch.zeros(size))
         self.eps = eps
         self.norm_scale = ValueHook("norm_scale")
-        self.norm_normalized = ValueHook("norm_normalized")
+        self.norm_normalized = ValueHook(normalized)
 
     def forward(self, x: Float[Tensor, "*batch features"]) -> Float[Tensor, "*batch features"]:
         x32 = x.float()

@@ -1,0 +1,254 @@
+"""alpha-er: a GPT-style pre-norm transformer with factored projections and a positional expert MLP.
+
+What differs from Llama: learned absolute positions instead of rotary; LayerNorm with bias for
+ln1, ln2 and ln_f; qkv, the attention output and the LM head are each a rank-r factored projection
+(down -> LayerNorm on the bottleneck -> up); attention scores are soft-capped (tanh(s/30)·30) before
+the mask; the MLP is 64 experts of width 320, a token at position t of T going to expert
+floor(t·64/T), with tanh-approximate GELU. Because the expert boundaries fall at multiples of T/G,
+sequence length is part of the architecture: a forward needs T a multiple of `mlp_experts`, and
+`generate` pads every window to `block_size` and reads the last real position.
+Extra hooks beyond the standard vocabulary: `position_embeddings` (TL `hook_pos_embed`); each
+factored projection's `bottleneck` / `bottleneck_normed` and its norm's scale and normalized
+bottleneck; `score_mod.attention_raw_scores` (before the cap); `mlp.mlp_expert_index`.
+Reference: the alpha-er reference implementation in shared/seeds (004_*.txt).
+"""
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from hooked_models.components import (
+    AttentionInputs,
+    FactoredProjection,
+    FusedQKVAttention,
+    LayerNorm,
+    PositionalExpertMLP,
+    PreNormBlock,
+    SoftCap,
+)
+from hooked_models.components.attention import causal_mask
+from hooked_models.hooks import ValueHook
+from hooked_models.model import HookedModel
+from hooked_models.vocabulary import declare_values
+
+ALPHA_ER_VALUES = declare_values("model", [
+    ("position_embeddings", "Residual",
+     "The learned position embeddings; layers[0].input is token_embeddings + position_embeddings",
+     "the child module embed_positions's output", dict(tl="hook_pos_embed")),
+])
+
+
+@dataclass
+class AlphaErConfig:
+    """The reference config's fields (names as in the checkpoint header) and defaults.
+
+    The standardized names (`num_layers`, `hidden_size`, ...) and TransformerLens's (`n_layers`,
+    `d_model`, ...) are read-only properties over them.
+    """
+
+    vocab_size: int = 12288
+    block_size: int = 512
+    n_layer: int = 2
+    n_embd: int = 1024
+    n_head: int = 8
+    ffn_dim: int = 20480
+    mlp_experts: int = 64
+    lm_head_rank: int = 128
+    attn_rank: int = 128
+    attn_soft_cap: float = 30.0
+    layer_norm_eps: float = 1e-5
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    model_name: str = "alpha-er"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "ffn_dim", "mlp_experts",
+                     "lm_head_rank", "attn_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.attn_soft_cap < 0:
+            raise ValueError(f"attn_soft_cap={self.attn_soft_cap} must be >= 0 (0 turns the cap off)")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps={self.layer_norm_eps} must be > 0")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.ffn_dim % self.mlp_experts:
+            raise ValueError(f"ffn_dim={self.ffn_dim} is not divisible by mlp_experts={self.mlp_experts}: "
+                             "each expert is ffn_dim/mlp_experts wide")
+        if self.block_size % self.mlp_experts:
+            raise ValueError(f"block_size={self.block_size} is not divisible by mlp_experts={self.mlp_experts}: "
+                             "generation pads to block_size, which must split into mlp_experts windows")
+
+    # The standardized names.
+    num_layers = property(lambda self: self.n_layer)
+    hidden_size = property(lambda self: self.n_embd)
+    num_heads = property(lambda self: self.n_head)
+    num_kv_heads = property(lambda self: self.n_head)
+    head_dim = property(lambda self: self.n_embd // self.n_head)
+    qk_head_dim = property(lambda self: self.n_embd // self.n_head)
+    intermediate_size = property(lambda self: self.ffn_dim)
+    expert_width = property(lambda self: self.ffn_dim // self.mlp_experts)
+    max_position_embeddings = property(lambda self: self.block_size)
+
+    # TransformerLens's names.
+    n_layers = property(lambda self: self.n_layer)
+    d_model = property(lambda self: self.n_embd)
+    n_heads = property(lambda self: self.n_head)
+    n_key_value_heads = property(lambda self: self.n_head)
+    d_head = property(lambda self: self.n_embd // self.n_head)
+    d_mlp = property(lambda self: self.ffn_dim)
+    d_vocab = property(lambda self: self.vocab_size)
+    d_vocab_out = property(lambda self: self.vocab_size)
+    n_ctx = property(lambda self: self.block_size)
+    eps = property(lambda self: self.layer_norm_eps)
+    act_fn = property(lambda self: "gelu_new")  # TransformerLens's name for the tanh approximation
+    normalization_type = property(lambda self: "LN")
+    positional_embedding_type = property(lambda self: "standard")
+    gated_mlp = property(lambda self: False)
+    attn_only = property(lambda self: False)
+    final_rms = property(lambda self: False)
+    original_architecture = property(lambda self: "AlphaErForCausalLM")
+
+    def with_(self, **changes) -> "AlphaErConfig":
+        return replace(self, **changes)
+
+    def reference_fields(self) -> dict:
+        """The fields the reference config and the checkpoint header carry."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in REFERENCE_FIELDS}
+
+
+REFERENCE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "ffn_dim", "mlp_experts",
+                    "lm_head_rank", "attn_rank", "attn_soft_cap", "layer_norm_eps")
+
+# The released alpha-er: the reference's defaults (2 layers, 1024 wide, 64 experts of 320, ranks 128).
+ALPHA_ER = AlphaErConfig()
+
+
+class HookedAlphaEr(HookedModel):
+    """A hooked alpha-er: the standard module tree and vocabulary, exact against the reference.
+
+    Load with `HookedAlphaEr.from_pretrained(path)` or `HookedAlphaEr.from_reference(module)`.
+    """
+
+    def __init__(self, cfg: AlphaErConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, eps = cfg.n_embd, cfg.layer_norm_eps
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.embed_positions = nn.Embedding(cfg.block_size, d)
+        self.layers = nn.ModuleList([
+            PreNormBlock(
+                self_attn=FusedQKVAttention(
+                    qkv_proj=FactoredProjection(d, cfg.attn_rank, 3 * d, eps),
+                    o_proj=FactoredProjection(d, cfg.attn_rank, d, eps),
+                    num_heads=cfg.n_head, head_dim=cfg.head_dim, score_mod=SoftCap(cfg.attn_soft_cap),
+                ),
+                mlp=PositionalExpertMLP(d, cfg.ffn_dim, cfg.mlp_experts, nn.GELU(approximate="tanh")),
+                input_layernorm=LayerNorm(d, eps),
+                post_attention_layernorm=LayerNorm(d, eps),
+            )
+            for _ in range(cfg.n_layer)
+        ])
+        self.norm = LayerNorm(d, eps)
+        self.lm_head = FactoredProjection(d, cfg.lm_head_rank, cfg.vocab_size, eps)
+        for name in ("logits", "token_embeddings", "final_norm_output", "lm_head_output", "next_token_probs",
+                     "input_ids", "attention_mask", "input_size"):
+            setattr(self, name, ValueHook(name))
+        self.position_embeddings = ValueHook(ALPHA_ER_VALUES["position_embeddings"])
+        self.to(dtype=cfg.dtype)
+        self.setup()
+
+    def check_length(self, seq: int) -> None:
+        """A ValueError unless `seq` is a length alpha-er computes at: a multiple of mlp_experts, <= block_size."""
+        cfg = self.cfg
+        todo = (f"pad the input to block_size ({cfg.block_size}) and read the logits at the last real "
+                "position (attention is causal, so padding after the prompt cannot change them); "
+                "model.generate does this")
+        if seq > cfg.block_size:
+            raise ValueError(f"sequence length {seq} is longer than block_size={cfg.block_size}, the number of "
+                             f"learned positions; keep the last {cfg.block_size} tokens, or {todo}")
+        if seq % cfg.mlp_experts:
+            raise ValueError(f"sequence length {seq} is not a multiple of mlp_experts={cfg.mlp_experts}: the "
+                             f"expert of position t is floor(t·{cfg.mlp_experts}/T), so the model reproduces "
+                             f"its training behaviour only at such lengths; {todo}")
+
+    def _prepare_inputs(self, input, attention_mask):
+        if isinstance(input, Tensor) and input.ndim == 2:
+            self.check_length(input.shape[1])  # before the generic length check, for the better message
+        tokens, attention_mask = super()._prepare_inputs(input, attention_mask)
+        self.check_length(tokens.shape[1])
+        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("alpha-er routes and embeds by position, so padding must be on the right "
+                             "(an attention_mask of ones, then zeros)")
+        return tokens, attention_mask
+
+    def _logits(
+        self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None
+    ) -> Float[Tensor, "batch seq vocab_size"]:
+        batch, seq = tokens.shape
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.token_embeddings(self.embed_tokens(tokens))
+        x = x + self.position_embeddings(self.embed_positions(positions).expand(batch, seq, -1))
+        # Right padding only: real rows attend exactly as unpadded ones (causal), padding is never read.
+        inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device))
+        for layer in self.layers:
+            x = layer(x, inputs)
+        x = self.final_norm_output(self.norm(x))
+        return self.lm_head_output(self.lm_head(x))
+
+    @torch.no_grad()
+    def generate(self, tokens: Int[Tensor, "*batch seq"], max_new_tokens: int = 64, temperature: float = 0.8,
+                 top_k: int | None = 40) -> Int[Tensor, "1 total"]:
+        """The reference's rule: pad each window to block_size with 0 and read the last real position.
+
+        The window is the last block_size tokens. temperature <= 0 is greedy; otherwise sample from
+        the softmax of the top_k logits divided by temperature (top_k None: every token).
+        """
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
+            raise ValueError(f"generate takes one non-empty prompt [1 seq], got shape {tuple(tokens.shape)}; "
+                             "generate each prompt on its own (every window is padded to block_size anyway)")
+        block = self.cfg.block_size
+        ids = tokens[0].tolist()
+        for _ in range(max_new_tokens):
+            window = ids[-block:]
+            padded = torch.tensor([window + [0] * (block - len(window))], device=tokens.device)
+            logits = self(padded)[0, len(window) - 1]
+            if temperature <= 0:
+                ids.append(int(logits.argmax()))
+                continue
+            k = logits.numel() if top_k is None else min(top_k, logits.numel())
+            values, indices = torch.topk(logits, k)
+            probs = torch.softmax(values / temperature, dim=-1)
+            ids.append(int(indices[torch.multinomial(probs, 1)]))
+        return torch.tensor([ids], device=tokens.device)
+
+    @classmethod
+    def from_reference(cls, module: nn.Module, dtype: torch.dtype | None = None, device=None) -> "HookedAlphaEr":
+        """From an in-memory module with the reference's parameter names and a `cfg` with its fields
+        (the weights are copied)."""
+        from weight_conversion.alpha_er import load_from_reference
+
+        return load_from_reference(module, dtype=dtype, device=device)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "HookedAlphaEr":
+        """From a checkpoint: a safetensors file whose header metadata carries the config fields (or
+        with a config.json beside it), a torch state-dict file with a config.json beside it, or a
+        directory holding either."""
+        from weight_conversion.alpha_er import load_alpha_er_checkpoint
+
+        return load_alpha_er_checkpoint(path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path) -> None:
+        """Write the reference's checkpoint format: safetensors, config fields in the header metadata.
+        A path ending in .safetensors is the file; otherwise a directory gets model.safetensors and
+        config.json."""
+        from weight_conversion.alpha_er import save_alpha_er_checkpoint
+
+        save_alpha_er_checkpoint(self, path)
