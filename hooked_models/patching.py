@@ -1,0 +1,585 @@
+"""Activation patching and attribution patching over the standard vocabulary, batched.
+
+    from hooked_models import patching
+    metric = patching.logit_diff_metric(answers, wrong_answers)
+    result = patching.activation_patch(model, clean, corrupted, metric, "layer_input", over=("layer", "seq"))
+    result.top(5); result.plot("out/resid.png")
+
+A sweep patches one value (`layer_input`, `attention_head_outputs`, `attention_keys`, `mlp_neurons`, a
+family's own values, or a TransformerLens short name such as `resid_pre` or `z`) at every hook point
+that carries it, indexed along the dimensions its layout names (`seq`, `num_heads`, `num_kv_heads`,
+`intermediate_size`, `rank`, ...; `pos`, `head`, `neuron` are accepted as TransformerLens-style
+aliases). Nothing here knows a family: the sites, dimensions and sizes come from the vocabulary.
+
+Denoising runs the corrupted input and writes in the clean run's activations; noising runs the clean
+input and writes in the corrupted run's. Many patches share one forward: the input is repeated once
+per patch along the batch and each copy gets its own patch (a `torch.where` against a per-copy mask),
+in chunks sized to a memory budget. Attribution patching (Nanda 2023, "Attribution Patching") estimates
+every patch at once from one forward and one backward: effect ≈ Σ grad · (source − base).
+"""
+
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from hooked_models.hooks import ValueHook
+from hooked_models.vocabulary import POSITION_DIMS, Value
+
+Metric = Callable[[Float[Tensor, "batch seq vocab_size"]], Tensor]
+
+DIRECTIONS = ("denoising", "noising")
+
+# What a sweep indexes when `over` is not given, by layout: the unit an interpretability reader asks about.
+DEFAULT_OVER: dict[str, tuple[str, ...]] = {
+    "Residual": ("seq",),
+    "Logits": ("seq",),
+    "Queries": ("num_heads",),
+    "Keys": ("num_kv_heads",),
+    "Values": ("num_kv_heads",),
+    "Pattern": ("num_heads",),
+    "HeadOutputs": ("num_heads",),
+    "HeadResults": ("num_heads",),
+    "Neurons": ("intermediate_size",),
+    "Scale": ("seq",),
+    "Bottleneck": ("rank",),
+}
+
+# TransformerLens's axis names (and plain words) -> the layout dimensions they may mean, in preference order.
+AXIS_ALIASES: dict[str, tuple[str, ...]] = {
+    "pos": ("seq", "query"),
+    "position": ("seq", "query"),
+    "dest_pos": ("query", "seq"),
+    "src_pos": ("key",),
+    "head": ("num_heads", "num_kv_heads"),
+    "head_index": ("num_heads", "num_kv_heads"),
+    "kv_head": ("num_kv_heads",),
+    "neuron": ("intermediate_size",),
+}
+
+# How an axis is titled on a plot, and the prefix of its entries' labels ("L3 H5").
+AXIS_TITLES = {
+    "layer": "layer", "site": "hook point", "seq": "position", "query": "query position",
+    "key": "key position", "num_heads": "head", "num_kv_heads": "key/value head",
+    "intermediate_size": "neuron", "rank": "bottleneck unit", "hidden_size": "residual dimension",
+    "expert": "expert", "vocab_size": "token",
+}
+_LABEL_PREFIX = {"layer": "L", "num_heads": "H", "num_kv_heads": "KV", "intermediate_size": "N", "rank": "R",
+                 "expert": "E", "hidden_size": "D"}
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One hook point a sweep patches: its standard name, the value it carries, and its layer."""
+
+    name: str
+    value: Value
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch: a site and, per non-batch dimension of its value, what to overwrite there.
+
+    Each entry of `index` is None (the whole dimension), an int, or a tuple of ints (a group of
+    positions, such as the window an alpha-er expert owns).
+    """
+
+    site: str
+    index: tuple[int | tuple[int, ...] | None, ...]
+
+
+def find_sites(model, value: str) -> list[Site]:
+    """Every hook point carrying `value`: a standard value name (`layer_input`), a TransformerLens short
+    name (`resid_pre`, `z`), one hook's full name (either kind), or a suffix of hook names."""
+    points = {name: p for name, p in model.hook_dict.items() if isinstance(p, ValueHook)}
+    if value in points or value in model.aliases:
+        names = [model.resolve_hook_name(value)[0]]
+    else:
+        names = [n for n, p in points.items() if p.value.name == value]
+        if not names:
+            tl = value if value.startswith("hook_") else f"hook_{value}"
+            names = [model.aliases[a] for a in model.aliases if a == tl or a.endswith("." + tl)]
+        if not names:
+            names = [n for n in points if n.endswith("." + value)]
+    if not names:
+        known = sorted({p.value.name for p in points.values()})
+        raise ValueError(f"{type(model).__name__} has no value {value!r}; it has {', '.join(known)}")
+    sites = []
+    for name in names:
+        match = _LAYER.search(name)
+        sites.append(Site(name, points[name].value, int(match.group(1)) if match else None))
+    return sites
+
+
+def _resolve_axis(axis: str, value: Value, virtual: dict) -> str:
+    """A user's axis name -> a dimension of the value's layout, 'layer'/'site', or a virtual axis."""
+    dims = value.dims[1:]
+    if axis in ("layer", "site") or axis in dims or axis in virtual:
+        return axis
+    for candidate in AXIS_ALIASES.get(axis, ()):
+        if candidate in dims:
+            return candidate
+    raise ValueError(
+        f"cannot sweep {value.name} ({value.layout_text}) over {axis!r}; its dimensions are "
+        f"{', '.join(dims)}{', ' + ', '.join(virtual) if virtual else ''} (and 'layer')"
+    )
+
+
+def _virtual_axes(model, value: Value, seq: int) -> dict[str, tuple[str, list[tuple[int, ...]]]]:
+    """Axes that stand for groups along a dimension: `expert` -> the positions each expert owns.
+
+    A model with positional experts has a module whose `expert_index(seq)` gives each position's
+    expert (alpha-er's floor(t·G/T)); a patch of expert g overwrites the positions it owns.
+    """
+    position_dim = next((d for d in value.dims[1:] if d in POSITION_DIMS), None)
+    router = next((m for m in model.modules() if callable(getattr(m, "expert_index", None))), None)
+    if position_dim is None or router is None or seq == 0:
+        return {}
+    index = router.expert_index(seq).cpu()
+    groups = [tuple(torch.nonzero(index == g).flatten().tolist()) for g in range(int(index.max()) + 1)]
+    return {"expert": (position_dim, groups)}
+
+
+@dataclass
+class _Grid:
+    """The sweep's axes: names, entries' labels, and per entry the (dimension, selector) it sets."""
+
+    axes: list[str] = field(default_factory=list)
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    entries: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(self.labels[a]) for a in self.axes)
+
+
+def plan(
+    model,
+    sites: list[Site],
+    over: Sequence[str] | None,
+    select: dict[str, Sequence[int]] | None,
+    sizes: dict[str, int],
+    position_labels: Sequence[str] | None = None,
+) -> tuple[_Grid, list[Patch]]:
+    """The grid of a sweep and its patches, in row-major order of the grid."""
+    value = sites[0].value
+    if any(s.value.layout != value.layout for s in sites):
+        raise ValueError(f"the sites {[s.name for s in sites]} do not share one layout")
+    dims = value.dims[1:]
+    virtual = _virtual_axes(model, value, sizes.get("seq", sizes.get("query", 0)))
+    over = DEFAULT_OVER.get(value.layout, ()) if over is None else tuple(over)
+    axes = [_resolve_axis(a, value, virtual) for a in over if a not in ("layer", "site")]
+    select = {(_resolve_axis(k, value, virtual) if k not in ("layer", "site") else k): list(v)
+              for k, v in (select or {}).items()}
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"over={tuple(over)} names a dimension twice")
+    targets = [virtual[a][0] if a in virtual else a for a in axes]
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"over={tuple(over)} sweeps {sorted(targets)} twice (an expert is a group of positions)")
+
+    grid = _Grid()
+    # The site axis: layers when each site has its own, else hook points, absent for one model-level site.
+    layered = all(s.layer is not None for s in sites) and len({s.layer for s in sites}) == len(sites)
+    site_axis = "layer" if layered else ("site" if len(sites) > 1 else None)
+    if site_axis is not None:
+        keys = [s.layer if layered else i for i, s in enumerate(sites)]
+        wanted = select.pop(site_axis, None) or select.pop("layer" if site_axis == "site" else "site", None)
+        chosen = [i for i, k in enumerate(keys) if wanted is None or k in wanted]
+        if wanted is not None and len(chosen) != len(set(wanted)):
+            raise ValueError(f"select[{site_axis!r}]={wanted} names layers without {value.name}; "
+                             f"it is at {keys}")
+        grid.axes.append(site_axis)
+        grid.labels[site_axis] = [f"L{sites[i].layer}" if layered else sites[i].name for i in chosen]
+        grid.entries[site_axis] = [sites[i] for i in chosen]
+    for axis in axes:
+        if axis in virtual:
+            dim, groups = virtual[axis]
+            indices = select.pop(axis, None) or list(range(len(groups)))
+            grid.entries[axis] = [(dim, groups[i]) for i in _checked(indices, len(groups), axis)]
+        else:
+            indices = select.pop(axis, None) or list(range(sizes[axis]))
+            grid.entries[axis] = [(axis, i) for i in _checked(indices, sizes[axis], axis)]
+        grid.axes.append(axis)
+        grid.labels[axis] = _labels(axis, indices, position_labels)
+    if select:
+        raise ValueError(f"select names {sorted(select)}, which the sweep over {grid.axes} does not have")
+
+    single_site = sites[0] if site_axis is None else None
+    patches = []
+    for combo in product(*(grid.entries[a] for a in grid.axes)):
+        site, index = single_site, dict.fromkeys(dims)
+        for axis, entry in zip(grid.axes, combo):
+            if axis in ("layer", "site"):
+                site = entry
+            else:
+                dim, selector = entry
+                index[dim] = selector
+        patches.append(Patch(site.name, tuple(index[d] for d in dims)))
+    return grid, patches
+
+
+def _checked(indices: Sequence[int], size: int, axis: str) -> list[int]:
+    for i in indices:
+        if not 0 <= i < size:
+            raise ValueError(f"{AXIS_TITLES.get(axis, axis)} index {i} is outside [0, {size}) for axis {axis!r}")
+    return list(indices)
+
+
+def _labels(axis: str, indices: list[int], position_labels: Sequence[str] | None) -> list[str]:
+    if axis in POSITION_DIMS + ("key",) and position_labels is not None:
+        return [f"{i} {position_labels[i]}" for i in indices]
+    return [f"{_LABEL_PREFIX.get(axis, '')}{i}" for i in indices]
+
+
+def _mask(patches: list[Patch], site: str, shape: tuple[int, ...], device) -> Tensor:
+    """[patches 1 *dims]: True where the copy for patch n is overwritten at `site`.
+
+    Dimensions no patch indexes stay of size 1 (broadcast), so the mask is small.
+    """
+    used = [any(p.site == site and p.index[d] is not None for p in patches) for d in range(len(shape))]
+    mask_shape = tuple(s if u else 1 for s, u in zip(shape, used))
+    mask = torch.zeros((len(patches), 1, *mask_shape), dtype=torch.bool)
+    for n, patch in enumerate(patches):
+        if patch.site != site:
+            continue
+        row = torch.ones(mask_shape, dtype=torch.bool)
+        for d, selector in enumerate(patch.index):
+            if selector is None:
+                continue
+            keep = torch.zeros(mask_shape[d], dtype=torch.bool)
+            keep[list(selector) if isinstance(selector, tuple) else selector] = True
+            row &= keep.view([-1 if i == d else 1 for i in range(len(mask_shape))])
+        mask[n, 0] = row
+    return mask.to(device)
+
+
+def _write_patches(activation: Tensor, hook, mask: Tensor, source: Tensor) -> Tensor:
+    """The batched patch: copy n of the input (rows n·B … n·B+B−1) takes `source` where mask[n] is True."""
+    copies = activation.unflatten(0, (mask.shape[0], -1))
+    return torch.where(mask, source.to(copies.dtype).unsqueeze(0), copies).flatten(0, 1)
+
+
+@dataclass
+class PatchingResult:
+    """A sweep's metric after each patch, with named axes and labelled entries.
+
+    `values[i, j, ...]` is the metric with the patch at (`labels[axes[0]][i]`, `labels[axes[1]][j]`, ...).
+    `clean_metric` and `corrupted_metric` are the unpatched runs; `normalized()` maps the corrupted
+    run to 0 and the clean run to 1 in either direction, so denoising asks "how much does this
+    restore?" and noising "how much survives when this is corrupted?".
+    """
+
+    values: Tensor
+    axes: tuple[str, ...]
+    labels: dict[str, list[str]]
+    value: str
+    direction: str
+    clean_metric: float
+    corrupted_metric: float
+    method: str = "activation patching"
+
+    @property
+    def baseline(self) -> float:
+        """The metric of the run the patches are written into."""
+        return self.corrupted_metric if self.direction == "denoising" else self.clean_metric
+
+    def effect(self) -> Tensor:
+        """values − the unpatched run's metric: what each patch changes."""
+        return self.values - self.baseline
+
+    def normalized(self) -> Tensor:
+        """(values − corrupted) / (clean − corrupted): 0 is the corrupted run, 1 the clean one."""
+        span = self.clean_metric - self.corrupted_metric
+        if span == 0:
+            raise ValueError("the clean and corrupted metrics are equal; there is nothing to normalize by")
+        return (self.values - self.corrupted_metric) / span
+
+    def top(self, k: int = 10, by: str = "effect") -> list[tuple[str, float]]:
+        """The k locations whose patch moves the metric most (by |effect|), as (label, value)."""
+        scores = self.effect().abs() if by == "effect" else self.values
+        order = scores.flatten().argsort(descending=True)[:k]
+        return [(self.location(int(i)), float(self.values.flatten()[i])) for i in order]
+
+    def location(self, flat_index: int) -> str:
+        """The label of one cell, its axes' labels joined: "L1 H3"."""
+        index = torch.unravel_index(torch.tensor(flat_index), self.values.shape) if self.axes else ()
+        return " ".join(self.labels[a][int(i)] for a, i in zip(self.axes, index)) or self.value
+
+    def __str__(self) -> str:
+        head = (f"{self.method} of {self.value} ({self.direction}) over {' × '.join(self.axes) or 'nothing'}: "
+                f"clean {self.clean_metric:.4g}, corrupted {self.corrupted_metric:.4g}")
+        return "\n".join([head] + [f"  {label:<24} {v:.4g}" for label, v in self.top(5)])
+
+    def plot(self, path: "str | os.PathLike | None" = None, ax=None, normalized: bool = True, title: str | None = None):
+        """A labelled heatmap (a bar chart for one axis); the last axis runs across, the rest down.
+
+        Shows `normalized()` when the clean and corrupted runs differ, else `values`. Saves to `path`
+        when given. Returns the matplotlib Figure.
+        """
+        try:
+            import matplotlib
+
+            if ax is None and path is not None:
+                matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("PatchingResult.plot needs matplotlib (pip install matplotlib)") from None
+        use_norm = normalized and self.clean_metric != self.corrupted_metric
+        data = (self.normalized() if use_norm else self.values).detach().float().cpu()
+        if data.ndim == 0:
+            data = data.reshape(1, 1)
+        rows_axes, cols_axis = self.axes[:-1], (self.axes[-1] if self.axes else None)
+        table = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+        row_labels = [" ".join(parts) for parts in product(*(self.labels[a] for a in rows_axes))] or [""]
+        col_labels = self.labels[cols_axis] if cols_axis else [self.value]
+        if ax is None:
+            width = min(2 + 0.35 * table.shape[1], 22)
+            height = min(1.6 + 0.3 * table.shape[0], 22)
+            fig, ax = plt.subplots(figsize=(max(width, 5), max(height, 3) if table.shape[0] > 1 else 3.2))
+        fig = ax.figure
+        scale = "restored (0 = corrupted, 1 = clean)" if use_norm else "metric"
+        if table.shape[0] == 1 and len(self.axes) <= 1:
+            ax.bar(range(table.shape[1]), table[0].numpy(), color="tab:blue")
+            ax.set_ylabel(scale)
+        else:
+            limit = float(table.abs().max()) or 1.0
+            image = ax.imshow(table.numpy(), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto",
+                              interpolation="nearest")
+            fig.colorbar(image, ax=ax, label=scale)
+            ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7 if len(row_labels) > 24 else 9)
+            ax.set_ylabel(" × ".join(AXIS_TITLES.get(a, a) for a in rows_axes))
+        step = max(1, len(col_labels) // 48)
+        ax.set_xticks(range(0, len(col_labels), step), col_labels[::step], rotation=90 if step == 1 and
+                      max(map(len, col_labels)) > 3 else 0, fontsize=8)
+        ax.set_xlabel(AXIS_TITLES.get(cols_axis, cols_axis) if cols_axis else "")
+        ax.set_title(title or f"{self.method}: {self.value} ({self.direction})")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=120)
+        return fig
+
+
+def logit_diff_metric(
+    answers: Int[Tensor, " batch"] | Sequence[int], wrong: Int[Tensor, " batch"] | Sequence[int], position: int = -1
+) -> Metric:
+    """A metric: the mean over prompts of logit(answer) − logit(wrong) at `position`."""
+    answers, wrong = torch.as_tensor(answers), torch.as_tensor(wrong)
+
+    def metric(logits: Float[Tensor, "batch seq vocab_size"]) -> Tensor:
+        last = logits[:, position].float()
+        rows = torch.arange(last.shape[0], device=last.device)
+        return (last[rows, answers.to(last.device)] - last[rows, wrong.to(last.device)]).mean()
+
+    return metric
+
+
+def _tokens(model, input) -> Tensor:
+    tokens = model.to_tokens(input) if isinstance(input, (str, list)) else input
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2:
+        raise ValueError("clean and corrupted must be token tensors [batch seq] (or text)")
+    device = next(model.parameters()).device
+    return tokens.to(device)
+
+
+def _scalar(out, name: str = "metric") -> Tensor:
+    out = torch.as_tensor(out)
+    if out.numel() != 1:
+        raise ValueError(f"the {name} must return a scalar (average over prompts); got shape {tuple(out.shape)}")
+    return out.detach().float().reshape(())
+
+
+def _runs(model, clean, corrupted, direction: str):
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'denoising' or 'noising', not {direction!r}")
+    clean, corrupted = _tokens(model, clean), _tokens(model, corrupted)
+    if clean.shape != corrupted.shape:
+        raise ValueError(f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} tokens must have "
+                         "one shape: a patch moves an activation between aligned positions")
+    return (corrupted, clean) if direction == "denoising" else (clean, corrupted)
+
+
+def row_bytes(model, tokens: Tensor) -> int:
+    """A rough upper bound on the memory one patched copy of the input needs during a forward:
+    the logits kept for the metric plus the widest activations alive at once."""
+    cfg = model.cfg
+    get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), 0)  # noqa: E731
+    batch, seq = tokens.shape
+    itemsize = torch.finfo(next(model.parameters()).dtype).bits // 8
+    width = 8 * get("d_model", "hidden_size") + 2 * get("d_mlp", "intermediate_size") + 3 * get("n_heads") * seq
+    return batch * seq * (itemsize * width + 4 * get("d_vocab", "vocab_size"))
+
+
+def activation_patch(
+    model,
+    clean,
+    corrupted,
+    metric: Metric,
+    value: str = "layer_input",
+    over: Sequence[str] | None = None,
+    *,
+    direction: str = "denoising",
+    select: dict[str, Sequence[int]] | None = None,
+    batch_size: int | None = None,
+    memory_budget: int = 2**30,
+    progress: bool | None = None,
+    position_labels: Sequence[str] | None = None,
+) -> PatchingResult:
+    """Patch `value` at every location of the sweep and return the metric after each patch.
+
+    clean, corrupted: token tensors [batch seq] of one shape (or text). metric: logits -> a scalar.
+    value: a standard value name, a TransformerLens short name, or one hook's name.
+    over: the value's dimensions to index (default: positions for the residual stream, heads for
+      attention values, neurons for MLP values); the layer axis always comes first.
+    select: restrict axes to some indices, e.g. {"layer": [3, 4], "seq": [9]}.
+    batch_size: patched copies per forward (default: as many as `memory_budget` bytes allow).
+    progress: a tqdm bar (default: when stderr is a terminal and the sweep takes several forwards).
+    """
+    base, source = _runs(model, clean, corrupted, direction)
+    sites = find_sites(model, value)
+    with torch.no_grad():
+        source_logits, cache = model.run_with_cache(source, names_filter=[s.name for s in sites])
+        base_logits = model(base)
+    sizes = dict(zip(sites[0].value.dims[1:], cache[sites[0].name].shape[1:]))
+    grid, patches = plan(model, sites, over, select, sizes, position_labels)
+    per_forward = batch_size or max(1, memory_budget // row_bytes(model, base))
+    chunks = math.ceil(len(patches) / per_forward)
+    show = sys.stderr.isatty() and chunks > 1 if progress is None else progress
+    results = []
+    with torch.no_grad(), tqdm(total=len(patches), disable=not show, desc=f"patching {value}",
+                               unit="patch") as bar:
+        for start in range(0, len(patches), per_forward):
+            chunk = patches[start:start + per_forward]
+            hooks = []
+            for site in dict.fromkeys(p.site for p in chunk):
+                source_value = cache[site]
+                mask = _mask(chunk, site, tuple(source_value.shape[1:]), source_value.device)
+                hooks.append((site, lambda a, hook, m=mask, s=source_value: _write_patches(a, hook, m, s)))
+            with model.hooks(fwd_hooks=hooks):
+                logits = model(base.repeat(len(chunk), 1))
+            for copy in logits.unflatten(0, (len(chunk), -1)):
+                results.append(_scalar(metric(copy)))
+            bar.update(len(chunk))
+    clean_logits, corrupted_logits = ((source_logits, base_logits) if direction == "denoising"
+                                      else (base_logits, source_logits))
+    return PatchingResult(
+        values=torch.stack(results).reshape(grid.shape),
+        axes=tuple(grid.axes),
+        labels=grid.labels,
+        value=value,
+        direction=direction,
+        clean_metric=float(_scalar(metric(clean_logits))),
+        corrupted_metric=float(_scalar(metric(corrupted_logits))),
+    )
+
+
+def attribution_patch(
+    model,
+    clean,
+    corrupted,
+    metric: Metric,
+    value: str = "layer_input",
+    over: Sequence[str] | None = None,
+    *,
+    direction: str = "denoising",
+    select: dict[str, Sequence[int]] | None = None,
+    position_labels: Sequence[str] | None = None,
+) -> PatchingResult:
+    """The first-order estimate of `activation_patch`'s result, from one forward and one backward.
+
+    For each patch: metric(base) + Σ over the patched elements (and prompts) of
+    ∂metric/∂activation · (source − base), with the gradient taken on the unpatched run the patches
+    would be written into. Exact where the metric is linear in the patched value; an estimate
+    elsewhere that degrades as the patch grows (Nanda 2023; Syed et al. 2023, "AtP").
+    """
+    base, source = _runs(model, clean, corrupted, direction)
+    sites = find_sites(model, value)
+    names = [s.name for s in sites]
+    with torch.no_grad():
+        source_logits, cache = model.run_with_cache(source, names_filter=names)
+    seen: dict[str, Tensor] = {}
+
+    def keep(activation: Tensor, hook) -> None:
+        seen[hook.name] = activation
+
+    def leaf(activation: Tensor, hook) -> Tensor | None:
+        # With frozen parameters nothing would require grad: start the graph at the embeddings.
+        return None if activation.requires_grad else activation.detach().requires_grad_(True)
+
+    hooks = [(n, keep) for n in names]
+    if "token_embeddings" in model.hook_dict:
+        hooks.insert(0, ("token_embeddings", leaf))
+    with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+        base_logits = model(base)
+        base_metric = metric(base_logits)
+        grads = torch.autograd.grad(base_metric, [seen[n] for n in names], allow_unused=True)
+    # Per site, grad · (source − base) summed over prompts: what each element would add.
+    contributions = {}
+    for name, grad in zip(names, grads):
+        delta = (cache[name] - seen[name].detach()).float()
+        contributions[name] = torch.zeros_like(delta[0]) if grad is None else (grad.float() * delta).sum(0)
+    sizes = dict(zip(sites[0].value.dims[1:], cache[names[0]].shape[1:]))
+    grid, patches = plan(model, sites, over, select, sizes, position_labels)
+    estimates = torch.stack([_attribution(contributions[p.site], p.index) for p in patches])
+    base_metric = float(_scalar(base_metric))
+    source_metric = float(_scalar(metric(source_logits)))
+    clean_metric, corrupted_metric = ((source_metric, base_metric) if direction == "denoising"
+                                      else (base_metric, source_metric))
+    return PatchingResult(
+        values=(base_metric + estimates.cpu()).reshape(grid.shape),
+        axes=tuple(grid.axes),
+        labels=grid.labels,
+        value=value,
+        direction=direction,
+        clean_metric=clean_metric,
+        corrupted_metric=corrupted_metric,
+        method="attribution patching",
+    )
+
+
+def _attribution(contribution: Tensor, index: tuple) -> Tensor:
+    """The sum of a site's contributions over the elements one patch overwrites."""
+    for d, selector in reversed(list(enumerate(index))):
+        if selector is None:
+            contribution = contribution.sum(d)
+        else:
+            picked = list(selector) if isinstance(selector, tuple) else [selector]
+            contribution = contribution.index_select(d, torch.tensor(picked, device=contribution.device)).sum(d)
+    return contribution
+
+
+# Named sweeps: the common questions, each one value over its usual axes.
+def patch_residual_stream(model, clean, corrupted, metric, value: str = "layer_input", **options) -> PatchingResult:
+    """The residual stream entering each layer, by layer × position (TransformerLens's resid_pre sweep)."""
+    return activation_patch(model, clean, corrupted, metric, value, ("layer", "seq"), **options)
+
+
+def patch_attention_heads(model, clean, corrupted, metric, value: str = "attention_head_outputs",
+                          **options) -> PatchingResult:
+    """Each head's output (or queries, pattern, ...: pass `value`), by layer × head, all positions."""
+    return activation_patch(model, clean, corrupted, metric, value, ("layer", "head"), **options)
+
+
+def patch_kv_heads(model, clean, corrupted, metric, value: str = "attention_keys", **options) -> PatchingResult:
+    """Keys or values by layer × key/value head: under GQA one patch reaches every query head of its group."""
+    return activation_patch(model, clean, corrupted, metric, value, ("layer", "num_kv_heads"), **options)
+
+
+def patch_mlp_outputs(model, clean, corrupted, metric, value: str = "mlp_output", **options) -> PatchingResult:
+    """What each MLP adds to the residual stream, by layer × position."""
+    return activation_patch(model, clean, corrupted, metric, value, ("layer", "seq"), **options)
+
+
+def patch_neurons(model, clean, corrupted, metric, value: str = "mlp_neurons", **options) -> PatchingResult:
+    """Single MLP neurons, by layer × neuron, at every position (restrict with select={"layer": [...]})."""
+    return activation_patch(model, clean, corrupted, metric, value, ("layer", "neuron"), **options)

@@ -1,0 +1,202 @@
+"""hooked_models.patching against transformer_lens.patching and against one forward per patch."""
+
+import math
+
+import pytest
+import torch
+import transformer_lens.patching as tl_patching
+
+from hooked_models import patching
+
+SEQ = 8
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(1)
+    clean = torch.randint(3, 97, (2, SEQ), generator=generator)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (clean[:, 2] + 11) % 94 + 3
+    corrupted[:, 5] = (clean[:, 5] + 23) % 94 + 3
+    return clean, corrupted
+
+
+def metric(logits):
+    return patching.logit_diff_metric([5, 6], [7, 8])(logits)
+
+
+def test_residual_sweep_matches_transformer_lens(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    ours = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer", "pos"))
+    with torch.no_grad():
+        _, clean_cache = tiny_arcee.run_with_cache(clean)
+        reference = tl_patching.get_act_patch_resid_pre(tiny_arcee, corrupted, clean_cache, metric)
+    assert ours.axes == ("layer", "seq") and ours.values.shape == (2, SEQ)
+    torch.testing.assert_close(ours.values, reference.float().cpu(), rtol=1e-5, atol=1e-5)
+    # Patching a position the prompts agree on changes nothing; a differing one does.
+    assert torch.equal(ours.values[0, 0], torch.tensor(ours.corrupted_metric))
+    assert ours.values[0, 2] != ours.corrupted_metric
+
+
+@pytest.mark.parametrize("value, over, reference", [
+    ("attention_head_outputs", ("layer", "head"), tl_patching.get_act_patch_attn_head_out_all_pos),
+    ("attention_keys", ("layer", "head"), tl_patching.get_act_patch_attn_head_k_all_pos),
+    ("attention_values", ("layer", "head"), tl_patching.get_act_patch_attn_head_v_all_pos),
+    ("attention_queries", ("layer", "head"), tl_patching.get_act_patch_attn_head_q_all_pos),
+    ("attention_probabilities", ("layer", "head"), tl_patching.get_act_patch_attn_head_pattern_all_pos),
+    ("mlp_output", ("layer", "pos"), tl_patching.get_act_patch_mlp_out),
+    ("layer_mid", ("layer", "pos"), tl_patching.get_act_patch_resid_mid),
+])
+def test_head_and_mlp_sweeps_match_transformer_lens(tiny_arcee, prompts, value, over, reference):
+    clean, corrupted = prompts
+    ours = patching.activation_patch(tiny_arcee, clean, corrupted, metric, value, over)
+    with torch.no_grad():
+        _, clean_cache = tiny_arcee.run_with_cache(clean)
+        expected = reference(tiny_arcee, corrupted, clean_cache, metric)
+    # Keys and values are swept by key/value head (2 of them), queries and outputs by query head (10).
+    heads = 2 if value in ("attention_keys", "attention_values") else 10
+    assert ours.values.shape == (2, heads if "head" in over else SEQ)
+    torch.testing.assert_close(ours.values, expected.float().cpu(), rtol=1e-5, atol=1e-5)
+
+
+def one_forward_per_patch(model, base, source, value, index_of):
+    """The plain loop: one hooked forward per patch, written out here as the reference."""
+    sites = patching.find_sites(model, value)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(source, names_filter=[s.name for s in sites])
+        results = {}
+        for site in sites:
+            for index in index_of(cache[site.name]):
+                def hook(activation, hook, index=index, name=site.name):
+                    patched = activation.clone()
+                    patched[(slice(None), *index)] = cache[name][(slice(None), *index)]
+                    return patched
+                results[(site.layer, *[i for i in index if isinstance(i, int)])] = float(
+                    metric(model.run_with_hooks(base, fwd_hooks=[(site.name, hook)])))
+    return results
+
+
+def test_batched_equals_one_forward_per_patch(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    loop = one_forward_per_patch(tiny_arcee, corrupted, clean, "mlp_neurons",
+                                 lambda a: [(slice(None), n) for n in range(a.shape[-1])])
+    expected = torch.tensor([[loop[(layer, n)] for n in range(56)] for layer in range(2)])
+    # Neurons by layer × neuron; with 7 patches a forward, chunk boundaries land mid-layer.
+    for batch_size in (None, 1, 7):
+        ours = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "mlp_neurons", ("layer", "neuron"),
+                                         batch_size=batch_size)
+        torch.testing.assert_close(ours.values, expected, rtol=1e-5, atol=1e-6)
+    assert ours.effect().abs().max() > 0.01
+
+
+def test_noising_and_head_by_position_match_the_loop(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    ours = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "attention_head_outputs",
+                                     ("layer", "pos", "head"), direction="noising", select={"pos": [2, 5, 7]})
+    assert ours.axes == ("layer", "seq", "num_heads") and ours.values.shape == (2, 3, 10)
+    assert ours.labels["seq"] == ["2", "5", "7"] and ours.labels["num_heads"][3] == "H3"
+    loop = one_forward_per_patch(tiny_arcee, clean, corrupted, "attention_head_outputs",
+                                 lambda a: [(p, h) for p in (2, 5, 7) for h in range(10)])
+    expected = torch.tensor([[[loop[(layer, p, h)] for h in range(10)] for p in (2, 5, 7)] for layer in range(2)])
+    torch.testing.assert_close(ours.values, expected, rtol=1e-5, atol=1e-6)
+    assert ours.baseline == ours.clean_metric
+
+
+def test_whole_layer_patch_restores_the_clean_run(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    for direction in ("denoising", "noising"):
+        result = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer",),
+                                           direction=direction)
+        target = 1.0 if direction == "denoising" else 0.0
+        torch.testing.assert_close(result.normalized(), torch.full((2,), target), rtol=0, atol=1e-5)
+    assert result.clean_metric != result.corrupted_metric
+
+
+def test_memory_budget_sets_the_forwards(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    batches = []
+    hook = ("logits", lambda logits, hook: batches.append(logits.shape[0]))
+    per_row = patching.row_bytes(tiny_arcee, corrupted)
+    with tiny_arcee.hooks(fwd_hooks=[hook]):
+        patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer", "pos"),
+                                  memory_budget=5 * per_row)
+    # Two unpatched runs, then 16 patches in copies of 5 prompts·2: 5+5+5+1 patches.
+    assert batches == [2, 2, 10, 10, 10, 2]
+    assert math.ceil(16 / 5) == len(batches) - 2
+
+
+def test_progress_bar_when_asked(tiny_arcee, prompts, capsys):
+    clean, corrupted = prompts
+    patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", batch_size=4, progress=True)
+    assert "16/16" in capsys.readouterr().err
+    patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", batch_size=4, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_attribution_is_exact_where_the_metric_is_linear(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    # The logits are linear in the final norm's output, and the metric is linear in the logits.
+    for direction in ("denoising", "noising"):
+        exact = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "final_norm_output",
+                                          direction=direction)
+        estimate = patching.attribution_patch(tiny_arcee, clean, corrupted, metric, "final_norm_output",
+                                              direction=direction)
+        assert exact.axes == estimate.axes == ("seq",)
+        torch.testing.assert_close(estimate.values, exact.values, rtol=1e-5, atol=1e-5)
+        assert exact.effect().abs().max() > 0.05
+
+
+def test_attribution_tracks_patching_for_small_perturbations(hf_arcee_factory, prompts):
+    from hooked_models import HookedArcee
+
+    model = HookedArcee.from_hf(hf_arcee_factory(seed=3)).eval()
+    clean = prompts[0].clone()
+    clean[:, 2] = 50
+    corrupted = clean.clone()
+    corrupted[:, 2] = 96
+    with torch.no_grad():  # token 96 is token 50 moved by 2%: every patch is a small perturbation
+        model.embed_tokens.weight[96] = model.embed_tokens.weight[50] * 1.02
+    for value, over in [("layer_input", ("layer", "pos")), ("attention_head_outputs", ("layer", "head")),
+                        ("mlp_neurons", ("layer", "neuron"))]:
+        exact = patching.activation_patch(model, clean, corrupted, metric, value, over).effect().flatten()
+        estimate = patching.attribution_patch(model, clean, corrupted, metric, value, over).effect().flatten()
+        big = exact.abs() > 0.1 * exact.abs().max()
+        assert torch.equal(torch.sign(estimate[big]), torch.sign(exact[big])), value
+        assert torch.corrcoef(torch.stack([exact, estimate]))[0, 1] > 0.99, value
+        assert (estimate - exact).abs().max() < 0.05 * exact.abs().max(), value
+
+
+def test_result_labels_top_and_plot(tiny_arcee, prompts, tmp_path):
+    clean, corrupted = prompts
+    result = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "resid_pre",
+                                       position_labels=[f"t{i}" for i in range(SEQ)])
+    assert result.axes == ("layer", "seq")
+    assert result.labels == {"layer": ["L0", "L1"], "seq": [f"{i} t{i}" for i in range(SEQ)]}
+    (label, value), *_ = result.top(3)
+    flat = result.effect().abs().flatten().argmax()
+    assert label == result.location(int(flat)) and value == float(result.values.flatten()[flat])
+    assert label.split()[0] in ("L0", "L1") and "top" not in str(result)
+    fig = result.plot(tmp_path / "resid.png")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "position" and ax.get_ylabel() == "layer"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["L0", "L1"]
+    assert (tmp_path / "resid.png").stat().st_size > 5000
+
+
+def test_sites_and_errors(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    assert [s.name for s in patching.find_sites(tiny_arcee, "z")] == [
+        "layers.0.self_attn.attention_head_outputs", "layers.1.self_attn.attention_head_outputs"]
+    assert [s.layer for s in patching.find_sites(tiny_arcee, "blocks.1.hook_resid_pre")] == [1]
+    with pytest.raises(ValueError, match="no value 'resid_sideways'"):
+        patching.activation_patch(tiny_arcee, clean, corrupted, metric, "resid_sideways")
+    with pytest.raises(ValueError, match="over 'num_heads'.*seq, hidden_size"):
+        patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer", "num_heads"))
+    with pytest.raises(ValueError, match="position index 8 is outside"):
+        patching.activation_patch(tiny_arcee, clean, corrupted, metric, select={"pos": [8]})
+    with pytest.raises(ValueError, match="one shape"):
+        patching.activation_patch(tiny_arcee, clean, corrupted[:, :-1], metric)
+    with pytest.raises(ValueError, match="must return a scalar"):
+        patching.activation_patch(tiny_arcee, clean, corrupted, lambda logits: logits[:, -1, 0], select={"pos": [0]})
+    with pytest.raises(ValueError, match="direction"):
+        patching.attribution_patch(tiny_arcee, clean, corrupted, metric, direction="sideways")
