@@ -44,7 +44,8 @@ NAME_PAIRS: list[tuple[str, str]] = [
     ("blocks.{i}.fc1s", "layers.{i}.mlp.up_proj.weight"),
     ("blocks.{i}.fc2s", "layers.{i}.mlp.down_proj.weight"),
     *((f"ln_f.{p}", f"norm.{p}") for p in ("weight", "bias")),
-    *((f"{ref}.{leaf}", f"{hooked}.{hooked_leaf}") for ref, hooked in _FACTORED for leaf, hooked_leaf in _FACTORED_LEAVES),
+    *((f"{ref}.{leaf}", f"{hooked}.{hooked_leaf}")
+      for ref, hooked in _FACTORED for leaf, hooked_leaf in _FACTORED_LEAVES),
 ]
 
 

@@ -130,7 +130,9 @@ class PositionalExpertMLP(HookedModule):
         dense[:, index, :, index] = compact.transpose(0, 1)
         return dense.view(batch, experts * window, experts * width)
 
-    def compact(self, dense: Float[Tensor, "batch seq intermediate_size"]) -> Float[Tensor, "batch expert window width"]:
+    def compact(
+        self, dense: Float[Tensor, "batch seq intermediate_size"]
+    ) -> Float[Tensor, "batch expert window width"]:
         """The inverse of `densify`: each token's own expert slice, whatever is written elsewhere."""
         batch, seq, _ = dense.shape
         index = torch.arange(self.experts, device=dense.device)

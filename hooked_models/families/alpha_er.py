@@ -201,8 +201,8 @@ class HookedAlphaEr(HookedModel):
         return self.lm_head_output(self.lm_head(x))
 
     @torch.no_grad()
-    def generate(self, tokens: Int[Tensor, "*batch seq"], max_new_tokens: int = 64, temperature: float = 0.8,
-                 top_k: int | None = 40) -> Int[Tensor, "1 total"]:
+    def generate(self, tokens: Int[Tensor, "*batch seq"], max_new_tokens: int = 64,
+                 temperature: float | int = 0.8, top_k: int | None = 40) -> Int[Tensor, "1 total"]:
         """The reference's rule: pad each window to block_size with 0 and read the last real position.
 
         The window is the last block_size tokens. temperature <= 0 is greedy; otherwise sample from

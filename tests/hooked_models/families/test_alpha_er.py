@@ -170,3 +170,114 @@ def test_comparison_catches_a_broken_port(pair, break_):
         break_(model)
         model.setup()
         assert relative_error(model(tokens), expected) > 1e-4
+
+
+# ------------------------------------------------------------------------------- sequence length
+def test_length_not_a_multiple_of_experts_is_refused(pair):
+    reference, model = pair()
+    tokens = tokens_for(model.cfg, 1, 6)  # 4 experts
+    with pytest.raises(ValueError, match="sequence length 6 is not a multiple of mlp_experts=4") as error:
+        model(tokens)
+    assert "pad the input to block_size (32)" in str(error.value)
+    assert "last real position" in str(error.value)
+    with pytest.raises(ValueError):
+        reference(tokens)  # the reference refuses it too
+
+
+def test_length_past_block_size_is_refused(pair):
+    _, model = pair()
+    with pytest.raises(ValueError, match="sequence length 36 is longer than block_size=32") as error:
+        model(tokens_for(model.cfg, 1, 36))
+    assert "keep the last 32 tokens" in str(error.value)
+
+
+def test_right_padding_is_exact_and_left_padding_refused(pair):
+    _, model = pair()
+    tokens = tokens_for(model.cfg, 2, 16)
+    mask = torch.ones_like(tokens)
+    mask[1, 10:] = 0
+    with torch.no_grad():
+        padded = model(tokens, attention_mask=mask)
+        assert relative_error(padded[1, :10], model(tokens[1:])[0, :10]) < 1e-6
+    with pytest.raises(ValueError, match="padding must be on the right"):
+        model(tokens, attention_mask=mask.flip(-1))
+
+
+# ----------------------------------------------------------------------------------- generate
+@pytest.mark.parametrize("prompt_length, settings", [
+    (5, dict(temperature=0.0)),                   # greedy, the window slides past block_size
+    (3, dict(temperature=0.8, top_k=5)),          # sampled from the top 5
+    (30, dict(temperature=1.3, top_k=1000)),      # top_k past the vocabulary: every token
+])
+def test_generate_follows_the_reference_rule(pair, prompt_length, settings):
+    reference, model = pair()
+    prompt = tokens_for(model.cfg, 1, prompt_length, seed=prompt_length)
+    torch.manual_seed(7)
+    expected = reference.generate(prompt, max_new_tokens=36, **settings)
+    torch.manual_seed(7)
+    generated = model.generate(prompt, max_new_tokens=36, **settings)
+    assert generated.tolist() == expected.tolist()
+    assert generated.shape == (1, prompt_length + 36)
+
+
+def test_generate_takes_one_prompt(pair):
+    _, model = pair()
+    with pytest.raises(ValueError, match="one non-empty prompt"):
+        model.generate(tokens_for(model.cfg, 2, 4), max_new_tokens=1)
+    assert model.generate(tokens_for(model.cfg, 1, 4)[0], max_new_tokens=2, temperature=0).shape == (1, 6)
+
+
+# -------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("fields, message", [
+    (dict(ffn_dim=100, mlp_experts=64), "ffn_dim=100 is not divisible by mlp_experts=64"),
+    (dict(n_embd=1000, n_head=16), "n_embd=1000 is not divisible by n_head=16"),
+    (dict(block_size=500, mlp_experts=64), "block_size=500 is not divisible by mlp_experts=64"),
+    (dict(attn_soft_cap=-1.0), "attn_soft_cap=-1.0 must be >= 0"),
+    (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+])
+def test_contradictory_config_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        AlphaErConfig(**fields)
+
+
+def test_config_names():
+    cfg = AlphaErConfig()
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qk_head_dim,
+            cfg.vocab_size, cfg.intermediate_size) == (2, 1024, 8, 8, 128, 128, 12288, 20480)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab, cfg.n_ctx) == (
+        2, 1024, 8, 128, 20480, 12288, 512)
+    assert cfg.expert_width == 320
+
+
+def test_family_values_are_printed_and_supported(pair):
+    _, model = pair()
+    names = model.support().names()
+    for name in ("position_embeddings", "layers.1.self_attn.score_mod.attention_raw_scores",
+                 "layers.0.self_attn.qkv_proj.bottleneck", "layers.0.self_attn.o_proj.bottleneck_normed",
+                 "lm_head.norm.norm_normalized", "layers.1.mlp.mlp_expert_index"):
+        assert name in names
+    text = repr(model)
+    assert "(position_embeddings) -> Residual [batch seq hidden_size]" in text
+    assert "(bottleneck) -> Bottleneck [batch seq rank]" in text
+    assert "(mlp_expert_index) -> ExpertIndex [batch seq]" in text
+    assert model.resolve_hook_name("hook_pos_embed")[0] == "position_embeddings"
+
+
+def test_zeroing_one_experts_neuron_is_zeroing_its_weights(pair):
+    reference, model = pair()
+    g, n = 2, 5
+    width = model.cfg.expert_width
+
+    def zero(neurons, hook):
+        neurons = neurons.clone()
+        neurons[..., g * width + n] = 0.0
+        return neurons
+
+    tokens = tokens_for(model.cfg, 2, 32)
+    with torch.no_grad():
+        clean = reference(tokens)
+        reference.blocks[1].fc2s[g, :, n] = 0.0
+        expected = reference(tokens)
+        edited = model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.mlp.hook_post", zero)])
+    assert relative_error(edited, expected) < 1e-5
+    assert relative_error(clean, expected) > 1e-4  # the edit matters
