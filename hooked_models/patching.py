@@ -169,15 +169,19 @@ def plan(
     sites: list[Site],
     over: Sequence[str] | None,
     select: dict[str, Sequence[int]] | None,
-    sizes: dict[str, int],
+    sizes: dict[str, int] | list[dict[str, int]],
     position_labels: Sequence[str] | None = None,
 ) -> tuple[_Grid, list[Patch]]:
-    """The grid of a sweep and its patches, in row-major order of the grid."""
+    """The grid of a sweep and its patches, in row-major order of the grid.
+
+    `sizes` gives each dimension's size (per site, as a list, where the sites may differ).
+    """
     value = sites[0].value
     if any(s.value.layout != value.layout for s in sites):
         raise ValueError(f"the sites {[s.name for s in sites]} do not share one layout")
+    sizes = sizes if isinstance(sizes, list) else [sizes] * len(sites)
     dims = value.dims[1:]
-    virtual = _virtual_axes(model, value, sizes.get("seq", sizes.get("query", 0)))
+    virtual = _virtual_axes(model, value, sizes[0].get("seq", sizes[0].get("query", 0)))
     over = DEFAULT_OVER.get(value.layout, ()) if over is None else tuple(over)
     axes = [_resolve_axis(a, value, virtual) for a in over if a not in ("layer", "site")]
     select = {(_resolve_axis(k, value, virtual) if k not in ("layer", "site") else k): list(v)
@@ -200,8 +204,16 @@ def plan(
             raise ValueError(f"select[{site_axis!r}]={wanted} names layers without {value.name}; "
                              f"it is at {keys}")
         grid.axes.append(site_axis)
-        grid.labels[site_axis] = [f"L{sites[i].layer}" if layered else sites[i].name for i in chosen]
+        grid.labels[site_axis] = [f"L{sites[i].layer}" if layered else _site_label(sites[i]) for i in chosen]
         grid.entries[site_axis] = [sites[i] for i in chosen]
+        sites, sizes = [sites[i] for i in chosen], [sizes[i] for i in chosen]
+    # A swept dimension must have one size at every site (alpha-er's bottlenecks differ in rank).
+    for dim in targets:
+        if len({size[dim] for size in sizes}) > 1:
+            shapes = {s.name: size[dim] for s, size in zip(sites, sizes)}
+            raise ValueError(f"the hook points carrying {value.name} differ in {dim} ({shapes}); name one kind "
+                             f"by a longer suffix, such as {'.'.join(sites[-1].name.split('.')[-2:])!r}")
+    sizes = sizes[0]
     for axis in axes:
         if axis in virtual:
             dim, groups = virtual[axis]
@@ -227,6 +239,13 @@ def plan(
                 index[dim] = selector
         patches.append(Patch(site.name, tuple(index[d] for d in dims)))
     return grid, patches
+
+
+def _site_label(site: Site) -> str:
+    """'layers.0.self_attn.qkv_proj.bottleneck' -> 'L0 qkv_proj': short enough for a plot's ticks."""
+    path = site.name.removesuffix("." + site.value.name).removesuffix(site.value.name) or site.value.name
+    path = re.sub(r"\.(self_attn|mlp)\.", ".", path)
+    return re.sub(r"^layers\.(\d+)\.?", r"L\1 ", path).strip()
 
 
 def _checked(indices: Sequence[int], size: int, axis: str) -> list[int]:
@@ -450,7 +469,7 @@ def activation_patch(
     with torch.no_grad():
         source_logits, cache = model.run_with_cache(source, names_filter=[s.name for s in sites])
         base_logits = model(base)
-    sizes = dict(zip(sites[0].value.dims[1:], cache[sites[0].name].shape[1:]))
+    sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
     grid, patches = plan(model, sites, over, select, sizes, position_labels)
     per_forward = batch_size or max(1, memory_budget // row_bytes(model, base))
     chunks = math.ceil(len(patches) / per_forward)
@@ -528,7 +547,7 @@ def attribution_patch(
     for name, grad in zip(names, grads):
         delta = (cache[name] - seen[name].detach()).float()
         contributions[name] = torch.zeros_like(delta[0]) if grad is None else (grad.float() * delta).sum(0)
-    sizes = dict(zip(sites[0].value.dims[1:], cache[names[0]].shape[1:]))
+    sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
     grid, patches = plan(model, sites, over, select, sizes, position_labels)
     estimates = torch.stack([_attribution(contributions[p.site], p.index) for p in patches])
     base_metric = float(_scalar(base_metric))

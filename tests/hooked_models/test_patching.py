@@ -60,18 +60,21 @@ def test_head_and_mlp_sweeps_match_transformer_lens(tiny_arcee, prompts, value, 
 
 
 def one_forward_per_patch(model, base, source, value, index_of):
-    """The plain loop: one hooked forward per patch, written out here as the reference."""
+    """The plain loop: one hooked forward per patch, written out here as the reference.
+
+    `index_of(activation)` lists (key, index): the result is keyed by (layer, *key).
+    """
     sites = patching.find_sites(model, value)
     with torch.no_grad():
         _, cache = model.run_with_cache(source, names_filter=[s.name for s in sites])
         results = {}
         for site in sites:
-            for index in index_of(cache[site.name]):
+            for key, index in index_of(cache[site.name]):
                 def hook(activation, hook, index=index, name=site.name):
                     patched = activation.clone()
                     patched[(slice(None), *index)] = cache[name][(slice(None), *index)]
                     return patched
-                results[(site.layer, *[i for i in index if isinstance(i, int)])] = float(
+                results[(site.layer, *key)] = float(
                     metric(model.run_with_hooks(base, fwd_hooks=[(site.name, hook)])))
     return results
 
@@ -79,7 +82,7 @@ def one_forward_per_patch(model, base, source, value, index_of):
 def test_batched_equals_one_forward_per_patch(tiny_arcee, prompts):
     clean, corrupted = prompts
     loop = one_forward_per_patch(tiny_arcee, corrupted, clean, "mlp_neurons",
-                                 lambda a: [(slice(None), n) for n in range(a.shape[-1])])
+                                 lambda a: [((n,), (slice(None), n)) for n in range(a.shape[-1])])
     expected = torch.tensor([[loop[(layer, n)] for n in range(56)] for layer in range(2)])
     # Neurons by layer × neuron; with 7 patches a forward, chunk boundaries land mid-layer.
     for batch_size in (None, 1, 7):
@@ -96,7 +99,7 @@ def test_noising_and_head_by_position_match_the_loop(tiny_arcee, prompts):
     assert ours.axes == ("layer", "seq", "num_heads") and ours.values.shape == (2, 3, 10)
     assert ours.labels["seq"] == ["2", "5", "7"] and ours.labels["num_heads"][3] == "H3"
     loop = one_forward_per_patch(tiny_arcee, clean, corrupted, "attention_head_outputs",
-                                 lambda a: [(p, h) for p in (2, 5, 7) for h in range(10)])
+                                 lambda a: [((p, h), (p, h)) for p in (2, 5, 7) for h in range(10)])
     expected = torch.tensor([[[loop[(layer, p, h)] for h in range(10)] for p in (2, 5, 7)] for layer in range(2)])
     torch.testing.assert_close(ours.values, expected, rtol=1e-5, atol=1e-6)
     assert ours.baseline == ours.clean_metric
@@ -200,3 +203,46 @@ def test_sites_and_errors(tiny_arcee, prompts):
         patching.activation_patch(tiny_arcee, clean, corrupted, lambda logits: logits[:, -1, 0], select={"pos": [0]})
     with pytest.raises(ValueError, match="direction"):
         patching.attribution_patch(tiny_arcee, clean, corrupted, metric, direction="sideways")
+
+
+# ------------------------------------------------------------------------------------------- alpha-er
+@pytest.fixture
+def alpha_er(reference_alpha_er_factory):
+    from hooked_models import HookedAlphaEr
+
+    return HookedAlphaEr.from_reference(reference_alpha_er_factory(seed=2)).eval()
+
+
+def test_alpha_er_experts_are_their_windows(alpha_er, prompts):
+    clean, corrupted = prompts  # 8 positions over 4 experts: expert g owns positions 2g and 2g+1
+    result = patching.activation_patch(alpha_er, clean % 61, corrupted % 61, metric, "mlp_output", ("layer", "expert"))
+    assert result.axes == ("layer", "expert") and result.labels["expert"] == ["E0", "E1", "E2", "E3"]
+    loop = one_forward_per_patch(alpha_er, corrupted % 61, clean % 61, "mlp_output",
+                                 lambda a: [((g,), (slice(2 * g, 2 * g + 2),)) for g in range(4)])
+    expected = torch.tensor([[loop[(layer, g)] for g in range(4)] for layer in range(2)])
+    torch.testing.assert_close(result.values, expected, rtol=1e-5, atol=1e-6)
+    # Expert 0 owns positions before any difference (2 and 5); in the last layer only the expert of the
+    # metric's position (the last) reaches the logits.
+    unchanged = torch.tensor(result.corrupted_metric)
+    assert torch.equal(result.values[0, 0], unchanged) and torch.equal(result.values[1, :3], unchanged.expand(3))
+    assert result.values[1, 3] != unchanged
+
+
+def test_alpha_er_bottlenecks(alpha_er, prompts):
+    clean, corrupted = prompts[0] % 61, prompts[1] % 61
+    with pytest.raises(ValueError, match="differ in rank.*'lm_head.bottleneck'"):
+        patching.activation_patch(alpha_er, clean, corrupted, metric, "bottleneck")
+    result = patching.activation_patch(alpha_er, clean, corrupted, metric, "qkv_proj.bottleneck", batch_size=5)
+    assert result.axes == ("layer", "rank") and result.values.shape == (2, 7)
+    loop = one_forward_per_patch(alpha_er, corrupted, clean, "qkv_proj.bottleneck",
+                                 lambda a: [((r,), (slice(None), r)) for r in range(7)])
+    expected = torch.tensor([[loop[(layer, r)] for r in range(7)] for layer in range(2)])
+    torch.testing.assert_close(result.values, expected, rtol=1e-5, atol=1e-6)
+    sites = patching.activation_patch(alpha_er, clean, corrupted, metric, "bottleneck_normed", ("site",),
+                                      select={"site": [0, 1, 4]})
+    assert sites.labels["site"] == ["L0 qkv_proj", "L0 o_proj", "lm_head"]
+    # The logits are linear in the LM head's normed bottleneck: attribution is exact there.
+    exact = patching.activation_patch(alpha_er, clean, corrupted, metric, "lm_head.bottleneck_normed")
+    estimate = patching.attribution_patch(alpha_er, clean, corrupted, metric, "lm_head.bottleneck_normed")
+    assert exact.axes == ("rank",) and exact.effect().abs().max() > 0.01
+    torch.testing.assert_close(estimate.values, exact.values, rtol=1e-5, atol=1e-5)
