@@ -217,6 +217,8 @@ def full_size_alpha_er():
     """The reference at its default (released) size with random weights, and its hooked port."""
     from hooked_models import HookedAlphaEr
 
-    torch.manual_seed(0)
-    reference = randomize_(ReferenceAlphaErForCausalLM(ReferenceAlphaErConfig()), 0).eval()
+    # Built on the meta device and materialized uninitialized: randomize_ overwrites every parameter.
+    with torch.device("meta"):
+        reference = ReferenceAlphaErForCausalLM(ReferenceAlphaErConfig())
+    reference = randomize_(reference.to_empty(device="cpu"), 0).eval()
     return reference, HookedAlphaEr.from_reference(reference)

@@ -281,3 +281,27 @@ def test_zeroing_one_experts_neuron_is_zeroing_its_weights(pair):
         edited = model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.mlp.hook_post", zero)])
     assert relative_error(edited, expected) < 1e-5
     assert relative_error(clean, expected) > 1e-4  # the edit matters
+
+
+def test_the_patching_script_runs_unchanged(pair):
+    """hooked_models.patching batches patched copies along the batch: right only because routing is
+    positional. Its sweep equals one hooked forward per patch."""
+    from hooked_models import patching
+
+    _, model = pair()
+    clean = tokens_for(model.cfg, 2, 8, seed=1)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (clean[:, 2] + 11) % model.cfg.vocab_size
+    metric = patching.logit_diff_metric([5, 6], [7, 8])
+    result = patching.activation_patch(model, clean, corrupted, metric, "layer_input", ("layer", "pos"))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(clean)
+        for layer in range(model.cfg.n_layer):
+            for pos in range(8):
+                def patch(activation, hook, layer=layer, pos=pos):
+                    activation = activation.clone()
+                    activation[:, pos] = cache[f"layers.{layer}.layer_input"][:, pos]
+                    return activation
+                logits = model.run_with_hooks(corrupted, fwd_hooks=[(f"layers.{layer}.layer_input", patch)])
+                assert abs(float(metric(logits)) - float(result.values[layer, pos])) < 1e-5
+    assert result.values[1, 2] != result.corrupted_metric
