@@ -20,6 +20,8 @@ from transformer_lens.hook_points import HookPoint, _AliasedHookPoint
 from transformer_lens.utilities import Slice
 
 from hooked_models.cache import HookedActivationCache
+from hooked_models.components.kv_cache import KeyValueCache
+from hooked_models.generation import GenerationMixin
 from hooked_models.hooks import HookedModule, ValueHook
 from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
 
@@ -39,10 +41,11 @@ class _AliasHook:
         return self.value.from_tl(out) if isinstance(out, Tensor) else out
 
 
-class HookedModel(HookedModule, HookedRootModule):
-    """Shared root of HookedArcee and HookedAlphaEr."""
+class HookedModel(GenerationMixin, HookedModule, HookedRootModule):
+    """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py."""
 
     tokenizer: Any = None
+    supports_kv_cache = False  # whether `_logits` takes a `past_kv_cache` (incremental decoding)
 
     def __init__(self):
         super().__init__()
@@ -201,14 +204,25 @@ class HookedModel(HookedModule, HookedRootModule):
         return self.embed_tokens
 
     # --------------------------------------------------------------------------------- forward
-    def forward(self, input, attention_mask: Tensor | None = None, return_type: str | None = "logits"):
+    def forward(self, input, attention_mask: Tensor | None = None, return_type: str | None = "logits",
+                past_kv_cache: KeyValueCache | None = None):
         """Logits [batch seq vocab_size] for tokens [batch seq] (or text, through the tokenizer).
 
         `attention_mask` marks real tokens with 1 and padding with 0, on either side; each row's
         positions count from its first real token. `return_type` is "logits", "loss" (mean next-token
-        cross-entropy over real tokens), "both" ((logits, loss)) or None.
+        cross-entropy over real tokens), "both" ((logits, loss)) or None. `past_kv_cache` (families
+        with `supports_kv_cache`) holds the earlier positions: `tokens` and `attention_mask` are then
+        the new positions only, and the cache grows by them.
         """
         tokens, attention_mask = self._prepare_inputs(input, attention_mask)
+        extra = {}
+        if past_kv_cache is not None:
+            if not self.supports_kv_cache:
+                raise ValueError(f"{type(self).__name__} does not support a key/value cache")
+            if past_kv_cache.length + tokens.shape[1] > self.max_positions:
+                raise ValueError(f"{past_kv_cache.length} cached + {tokens.shape[1]} new positions exceed "
+                                 f"the model's {self.max_positions} positions")
+            extra["past_kv_cache"] = past_kv_cache
         tokens = self.input_ids(tokens)
         if attention_mask is None and self.attention_mask.has_hooks():
             attention_mask = torch.ones_like(tokens)
@@ -216,7 +230,7 @@ class HookedModel(HookedModule, HookedRootModule):
             attention_mask = self.attention_mask(attention_mask)
         if self.input_size.has_hooks():
             self.input_size(torch.tensor(tuple(tokens.shape)))
-        logits = self.logits(self._logits(tokens, attention_mask))
+        logits = self.logits(self._logits(tokens, attention_mask, **extra))
         if self.next_token_probs.has_hooks():
             self.next_token_probs(self._next_token_probs(logits, attention_mask))
         if return_type is None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.components.rotary import apply_rotary
 from hooked_models.hooks import HookedModule, ValueHook
 from hooked_models.vocabulary import declare_values
@@ -25,12 +26,14 @@ class AttentionInputs:
     """What every layer's attention needs from the model's forward, computed once per forward.
 
     `mask` is None for a plain causal mask, else a boolean [batch 1 query key] (True: may attend).
-    `cos` and `sin` are None for models without rotary.
+    `cos` and `sin` are None for models without rotary. `kv_cache`, when given, holds the earlier
+    positions' keys and values: the queries are then the last positions of the keys.
     """
 
     mask: Bool[Tensor, "batch 1 query key"] | None = None
     cos: Float[Tensor, "batch seq head_dim"] | None = None
     sin: Float[Tensor, "batch seq head_dim"] | None = None
+    kv_cache: KeyValueCache | None = None
 
 
 def causal_mask(attention_mask: Tensor | None, seq: int, device: torch.device) -> Tensor | None:
@@ -38,12 +41,15 @@ def causal_mask(attention_mask: Tensor | None, seq: int, device: torch.device) -
 
     A query may attend to earlier real tokens and always to itself, so padding rows stay finite
     (their outputs are never read) and real rows are exactly those of the unpadded prompt.
+    `attention_mask` may cover cached positions too ([batch key], key >= seq): the `seq` queries
+    are then its last positions.
     """
     if attention_mask is None:
         return None
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    past = attention_mask.shape[-1] - seq
+    causal = torch.ones(seq, past + seq, dtype=torch.bool, device=device).tril(past)
     keys = attention_mask.bool()[:, None, None, :]
-    eye = torch.eye(seq, dtype=torch.bool, device=device)
+    eye = torch.arange(past + seq, device=device) == torch.arange(past, past + seq, device=device)[:, None]
     return (causal & keys) | eye
 
 
@@ -85,6 +91,9 @@ class SelfAttention(HookedModule):
         q = self.attention_queries(q)
         k = self.attention_keys(k)
         v = self.attention_values(v)
+        if inputs.kv_cache is not None:
+            # The hooks above saw the new positions only; attention reads the cached ones too.
+            k, v = inputs.kv_cache.extend(self, k, v)
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         mask = inputs.mask
         if mask is None and seq_q != seq_k:

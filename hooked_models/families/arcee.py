@@ -27,6 +27,7 @@ from hooked_models.components import (
     UngatedMLP,
 )
 from hooked_models.components.attention import causal_mask
+from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
 
@@ -112,7 +113,10 @@ class HookedArcee(HookedModel):
     """A hooked Arcee AFM: the module tree and hooks of the standard vocabulary.
 
     Load with `HookedArcee.from_pretrained(path)` or `HookedArcee.from_hf(model)`.
+    `generate` decodes with a key/value cache (see hooked_models/generation.py).
     """
+
+    supports_kv_cache = True
 
     def __init__(self, cfg: ArceeConfig):
         super().__init__()
@@ -142,12 +146,20 @@ class HookedArcee(HookedModel):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _logits(
-        self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None
+        self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None,
+        past_kv_cache: KeyValueCache | None = None,
     ) -> Float[Tensor, "batch seq vocab_size"]:
         batch, seq = tokens.shape
         x = self.token_embeddings(self.embed_tokens(tokens))
-        cos, sin = self.rotary_emb(positions_from_mask(attention_mask, batch, seq, tokens.device), x.dtype)
-        inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device), cos=cos, sin=sin)
+        total = seq
+        if past_kv_cache is not None:
+            # The mask and positions now span the cached positions too; the new ones are the last.
+            total = past_kv_cache.length + seq
+            attention_mask = past_kv_cache.extend_mask(attention_mask, batch, seq, tokens.device)
+        positions = positions_from_mask(attention_mask, batch, total, tokens.device)[:, total - seq:]
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device), cos=cos, sin=sin,
+                                 kv_cache=past_kv_cache)
         for layer in self.layers:
             x = layer(x, inputs)
         x = self.final_norm_output(self.norm(x))
