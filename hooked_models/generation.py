@@ -181,7 +181,7 @@ class GenerationMixin:
         use_cache: decode with a key/value cache where the family has one. A step's hooks then see
             the new position only; with use_cache=False they see the whole sequence every step.
         chat: render the input with the tokenizer's chat template first (`apply_chat_template`).
-        return_type: "tokens" (prompt, left-padded, and continuation: [batch seq], or [seq] for a
+        return_type: "tokens" (prompt, left-padded, and continuation: [batch seq], also for a
             [seq] input), "str" (each prompt's text followed by its continuation's: a string for
             one prompt, a list for a list), or "input" (text for text, tokens for tokens).
         verbose: a progress bar; None shows one only for generations that last over a second on
@@ -227,7 +227,7 @@ class GenerationMixin:
                     break
 
         if return_type == "tokens" or (return_type == "input" and texts is None):
-            return tokens[0] if isinstance(input, Tensor) and input.ndim == 1 else tokens
+            return tokens
         text = self._generated_text(tokens, mask, prompt_length, texts, eos)
         return text[0] if one_prompt else text
 

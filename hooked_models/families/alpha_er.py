@@ -30,6 +30,7 @@ from hooked_models.components import (
     SoftCap,
 )
 from hooked_models.components.attention import causal_mask
+from hooked_models.generation import PaddedWindowDecoder
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
 from hooked_models.vocabulary import declare_values
@@ -200,33 +201,21 @@ class HookedAlphaEr(HookedModel):
         x = self.final_norm_output(self.norm(x))
         return self.lm_head_output(self.lm_head(x))
 
-    @torch.no_grad()
-    def generate(self, tokens: Int[Tensor, "*batch seq"], max_new_tokens: int = 64,
-                 temperature: float | int = 0.8, top_k: int | None = 40) -> Int[Tensor, "1 total"]:
-        """The reference's rule: pad each window to block_size with 0 and read the last real position.
+    def _decoder(self, use_cache: bool) -> PaddedWindowDecoder:
+        # No cache: the reference's rule reruns the whole padded window at every step.
+        return PaddedWindowDecoder(self, self.cfg.block_size, pad_id=0)
 
-        The window is the last block_size tokens. temperature <= 0 is greedy; otherwise sample from
-        the softmax of the top_k logits divided by temperature (top_k None: every token).
+    def generate(self, input, max_new_tokens: int = 64, temperature: float | int = 0.8, top_k: int | None = 40,
+                 **options):
+        """The shared `generate` (hooked_models/generation.py) with the reference's defaults.
+
+        Each row's window is its last block_size tokens, padded after the text with 0 to
+        block_size; the logits are read at its last real position. temperature 0 is greedy;
+        otherwise one draw from the softmax of the top_k logits divided by temperature, as the
+        reference draws it (the same tokens from the same torch seed).
         """
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
-            raise ValueError(f"generate takes one non-empty prompt [1 seq], got shape {tuple(tokens.shape)}; "
-                             "generate each prompt on its own (every window is padded to block_size anyway)")
-        block = self.cfg.block_size
-        ids = tokens[0].tolist()
-        for _ in range(max_new_tokens):
-            window = ids[-block:]
-            padded = torch.tensor([window + [0] * (block - len(window))], device=tokens.device)
-            logits = self(padded)[0, len(window) - 1]
-            if temperature <= 0:
-                ids.append(int(logits.argmax()))
-                continue
-            k = logits.numel() if top_k is None else min(top_k, logits.numel())
-            values, indices = torch.topk(logits, k)
-            probs = torch.softmax(values / temperature, dim=-1)
-            ids.append(int(indices[torch.multinomial(probs, 1)]))
-        return torch.tensor([ids], device=tokens.device)
+        return super().generate(input, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                **options)
 
     @classmethod
     def from_reference(cls, module: nn.Module, dtype: torch.dtype | None = None, device=None) -> "HookedAlphaEr":

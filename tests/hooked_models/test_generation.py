@@ -37,7 +37,7 @@ def test_greedy_batch_matches_transformers(tiny_arcee, tiny_hf_arcee, use_cache)
 def test_greedy_single_prompt_matches_transformers(tiny_arcee, tiny_hf_arcee):
     prompt = left_padded([7], seed=3)[0][0]
     expected = tiny_hf_arcee.generate(input_ids=prompt[None], do_sample=False, max_new_tokens=24)[0]
-    assert torch.equal(tiny_arcee.generate(prompt, do_sample=False, max_new_tokens=24), expected)
+    assert torch.equal(tiny_arcee.generate(prompt, do_sample=False, max_new_tokens=24)[0], expected)
 
 
 def test_right_padded_input_is_left_justified(tiny_arcee):
@@ -256,3 +256,55 @@ def test_chat_uses_the_checkpoint_template(chat_checkpoint, tiny_hf_arcee):
 def test_chat_without_a_template(tiny_arcee):
     with pytest.raises(ValueError, match="no tokenizer|no chat template"):
         tiny_arcee.generate("hello", chat=True)
+
+
+# ---------------------------------------------------------------------------------- alpha-er
+@pytest.fixture
+def alpha_er(reference_alpha_er_factory):
+    from hooked_models import HookedAlphaEr
+
+    reference = reference_alpha_er_factory(seed=2)
+    return reference, HookedAlphaEr.from_reference(reference)
+
+
+def alpha_er_prompt(model, length, seed=0):
+    return torch.randint(1, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+# Sliding windows and top_k draws: tests/hooked_models/families/test_alpha_er.py; here what generate adds.
+@pytest.mark.parametrize("length, settings", [
+    (40, dict(temperature=0)),                # a prompt longer than block_size 32: its last 32 tokens
+    (3, dict(temperature=0.8, top_k=5)),      # a seed gives the draws of the global stream seeded alike
+])
+def test_alpha_er_follows_the_reference(alpha_er, length, settings):
+    reference, model = alpha_er
+    prompt = alpha_er_prompt(model, length, seed=length)
+    torch.manual_seed(7)
+    expected = reference.generate(prompt, max_new_tokens=40, **settings)
+    torch.manual_seed(7)
+    assert torch.equal(model.generate(prompt, max_new_tokens=40, **settings), expected)
+    if settings["temperature"]:  # the same draws from a seed as from the global stream seeded alike
+        assert torch.equal(model.generate(prompt, max_new_tokens=40, seed=7, **settings), expected)
+
+
+def test_alpha_er_batch_equals_each_prompt(alpha_er):
+    _, model = alpha_er
+    prompts = [alpha_er_prompt(model, n, seed=n)[0] for n in (3, 11, 36)]
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)], mask[row, : len(p)] = p, 1  # right-padded: generate left-justifies
+    batch = model.generate(tokens, attention_mask=mask, temperature=0, max_new_tokens=8)
+    for row, p in enumerate(prompts):
+        alone = model.generate(p, temperature=0, max_new_tokens=8)[0]
+        assert torch.equal(batch[row, width - len(p):], alone)  # the batch comes back left-padded
+
+
+def test_alpha_er_hooks_see_the_padded_window(alpha_er):
+    _, model = alpha_er
+    seen = []
+    hook = ("blocks.0.hook_resid_pre", lambda x, hook: seen.append(tuple(x.shape)))
+    model.generate(alpha_er_prompt(model, 4), temperature=0, max_new_tokens=3, fwd_hooks=[hook])
+    assert seen == [(1, model.cfg.block_size, model.cfg.n_embd)] * 3
+    assert no_hooks_left(model)

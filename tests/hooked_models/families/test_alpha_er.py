@@ -220,10 +220,14 @@ def test_generate_follows_the_reference_rule(pair, prompt_length, settings):
     assert generated.shape == (1, prompt_length + 36)
 
 
-def test_generate_takes_one_prompt(pair):
+def test_generate_takes_a_batch_or_one_prompt(pair):
     _, model = pair()
-    with pytest.raises(ValueError, match="one non-empty prompt"):
-        model.generate(tokens_for(model.cfg, 2, 4), max_new_tokens=1)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate(tokens_for(model.cfg, 1, 4)[:, :0], max_new_tokens=1)
+    batch = tokens_for(model.cfg, 2, 4)
+    together = model.generate(batch, max_new_tokens=3, temperature=0)  # each row its own padded window
+    for row in range(2):
+        assert torch.equal(together[row], model.generate(batch[row], max_new_tokens=3, temperature=0)[0])
     assert model.generate(tokens_for(model.cfg, 1, 4)[0], max_new_tokens=2, temperature=0).shape == (1, 6)
 
 
