@@ -169,7 +169,8 @@ def test_comparison_catches_a_broken_port(pair, break_):
         assert relative_error(model(tokens), expected) < 1e-5
         break_(model)
         model.setup()
-        assert relative_error(model(tokens), expected) > 1e-4
+        # Fails the same comparison (measured: cap 7e-3, exact GELU 2e-4, flat routing 1.3).
+        assert relative_error(model(tokens), expected) > 1e-5
 
 
 # ------------------------------------------------------------------------------- sequence length
