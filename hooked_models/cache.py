@@ -1,10 +1,11 @@
 """An ActivationCache that answers to standard and TransformerLens names alike."""
 
-from transformer_lens import ActivationCache
 from transformer_lens.utilities import get_act_name
 
+from hooked_models.transformer_lens_compat import TransformerLensCache
 
-class HookedActivationCache(ActivationCache):
+
+class HookedActivationCache(TransformerLensCache):
     """transformer_lens's ActivationCache, keyed by standard names, with every alias resolved.
 
     `cache["layers.0.layer_input"]`, `cache["blocks.0.hook_resid_pre"]` and `cache["resid_pre", 0]`

@@ -23,6 +23,7 @@ from hooked_models.cache import HookedActivationCache
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.generation import GenerationMixin
 from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.transformer_lens_compat import TransformerLensModel
 from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
 
 
@@ -41,8 +42,9 @@ class _AliasHook:
         return self.value.from_tl(out) if isinstance(out, Tensor) else out
 
 
-class HookedModel(GenerationMixin, HookedModule, HookedRootModule):
-    """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py."""
+class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
+    """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py,
+    TransformerLens's model surface from hooked_models/transformer_lens_compat.py."""
 
     tokenizer: Any = None
     supports_kv_cache = False  # whether `_logits` takes a `past_kv_cache` (incremental decoding)

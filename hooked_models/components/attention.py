@@ -18,6 +18,7 @@ from torch import Tensor
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.components.rotary import apply_rotary
 from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.transformer_lens_compat import FactoredMatrix, per_head_in, per_head_out
 from hooked_models.vocabulary import declare_values
 
 
@@ -165,6 +166,29 @@ class GroupedQueryAttention(SelfAttention):
         q = apply_rotary(self.attention_queries_unrotated(q), inputs.cos, inputs.sin)
         k = apply_rotary(self.attention_keys_unrotated(k), inputs.cos, inputs.sin)
         return self.attend(q, k, v, inputs)
+
+    # TransformerLens's weight views: they share storage with the projections, so an edit writes
+    # through. W_K and W_V are per key/value head, as TransformerLens's bridge has them; the
+    # `_expanded` forms repeat each kv head for its query heads (query head h reads kv head
+    # h // groups) and are copies, as circuits need one matrix per query head.
+    W_Q = property(lambda self: per_head_in(self.q_proj.weight, self.num_heads))
+    W_K = property(lambda self: per_head_in(self.k_proj.weight, self.num_kv_heads))
+    W_V = property(lambda self: per_head_in(self.v_proj.weight, self.num_kv_heads))
+    W_O = property(lambda self: per_head_out(self.o_proj.weight, self.num_heads))
+    _W_K = W_K
+    _W_V = W_V
+    W_K_expanded = property(lambda self: self.W_K.repeat_interleave(self.groups, dim=0))
+    W_V_expanded = property(lambda self: self.W_V.repeat_interleave(self.groups, dim=0))
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """Per query head, W_Q @ W_K.T [head hidden_size hidden_size] (before rotary)."""
+        return FactoredMatrix(self.W_Q, self.W_K_expanded.transpose(-1, -2))
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """Per query head, W_V @ W_O [head hidden_size hidden_size]: what a head writes per token it reads."""
+        return FactoredMatrix(self.W_V_expanded, self.W_O)
 
 
 # The soft cap's own value, in the vocabulary's form.

@@ -35,6 +35,13 @@ class UngatedMLP(HookedModule):
         neurons = self.mlp_neurons(self.mlp_activation(self.act_fn(pre)))
         return self.mlp_output(self.down_proj(neurons))
 
+    # TransformerLens's weight views [hidden_size intermediate_size] / [intermediate_size hidden_size]:
+    # transposes of the projections, sharing their storage.
+    W_in = property(lambda self: self.up_proj.weight.T)
+    W_out = property(lambda self: self.down_proj.weight.T)
+    b_in = property(lambda self: self.up_proj.bias)
+    b_out = property(lambda self: self.down_proj.bias)
+
 
 # The positional expert MLP's own value, in the vocabulary's form.
 EXPERT_VALUES = declare_values("mlp", [

@@ -145,6 +145,15 @@ class HookedArcee(HookedModel):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def norm_readers(self) -> list[tuple[nn.Module, list[nn.Linear]]]:
+        """Each norm and the projections that read its output (what `fold_ln` folds it into)."""
+        pairs = [(self.norm, [self.lm_head])]
+        for layer in self.layers:
+            attn = layer.self_attn
+            pairs.append((layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]))
+            pairs.append((layer.post_attention_layernorm, [layer.mlp.up_proj]))
+        return pairs
+
     def _logits(
         self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None,
         past_kv_cache: KeyValueCache | None = None,

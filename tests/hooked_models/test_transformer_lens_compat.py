@@ -1,0 +1,333 @@
+"""TransformerLens's own surface on the hooked models: names, weight views, the cache's
+decompositions, direct logit attribution, gradients, weight processing. Every number is checked
+against the model's own forward on random non-trivial weights (norm weights far from 1)."""
+
+import pytest
+import torch
+from transformer_lens.model_protocol import TransformerLensModelWithWeights
+
+close = dict(rtol=1e-5, atol=1e-5)
+
+
+def tokens_for(model, batch=2, seq=6, seed=0):
+    return torch.randint(0, model.cfg.d_vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def run(tl_model):
+    tokens = tokens_for(tl_model)
+    with torch.no_grad():
+        logits, cache = tl_model.run_with_cache(tokens)
+    return tl_model, tokens, logits, cache
+
+
+def test_satisfies_transformer_lens_protocol(tl_model):
+    assert isinstance(tl_model, TransformerLensModelWithWeights)
+    assert not tl_model.training
+
+
+# ------------------------------------------------------------------------------------ names
+def test_every_alias_reads_the_same_value_in_transformer_lens_layout(run):
+    model, tokens, _, cache = run
+    assert len(model.aliases) > 20
+    for alias, canonical in model.aliases.items():
+        _, value = model.resolve_hook_name(alias)
+        expected = cache[canonical] if value is None else value.to_tl(cache[canonical])
+        torch.testing.assert_close(cache[alias], expected, rtol=0, atol=0)
+        seen = {}
+
+        def read(tensor, hook, alias=alias):
+            seen["tensor"], seen["name"] = tensor.detach().clone(), hook.name
+
+        with torch.no_grad():
+            model.run_with_hooks(tokens, fwd_hooks=[(alias, read)])
+        assert seen["name"] == alias
+        # (close, not equal: with nobody reading the pattern, attention takes the fused path)
+        torch.testing.assert_close(seen["tensor"], expected, **close)
+
+
+def test_tuple_and_shorthand_lookups(run):
+    model, _, _, cache = run
+    last = model.cfg.n_layers - 1
+    assert cache["resid_pre", 0] is cache["layers.0.layer_input"]
+    assert cache["blocks.0.hook_resid_pre"] is cache["layers.0.layer_input"]
+    assert cache["resid_post", -1] is cache[f"layers.{last}.layer_output"]
+    torch.testing.assert_close(cache["k", 1], cache["blocks.1.attn.hook_k"])
+    assert cache["k", 1].shape[-2] == model.cfg.n_key_value_heads
+    assert cache["scale"] is cache["norm.norm_scale"]  # TransformerLens's ln_final.hook_scale
+    assert cache["embed"] is cache["token_embeddings"]
+
+
+def test_writes_through_aliases_are_mapped_back(run):
+    """A write in TransformerLens's layout equals the same write in the standard layout."""
+    model, tokens, _, _ = run
+    for alias, canonical in model.aliases.items():
+        _, value = model.resolve_hook_name(alias)
+        if value is None or alias in ("hook_embed",):
+            continue
+
+        def edit_tl(tensor, hook):
+            bump = torch.arange(tensor.numel(), dtype=tensor.dtype).view(tensor.shape) * 1e-3
+            return tensor + bump
+
+        def edit_standard(tensor, hook, value=value):
+            bump = torch.arange(tensor.numel(), dtype=tensor.dtype).view(value.to_tl(tensor).shape) * 1e-3
+            return tensor + value.from_tl(bump)
+
+        with torch.no_grad():
+            via_alias = model.run_with_hooks(tokens, fwd_hooks=[(alias, edit_tl)])
+            via_canonical = model.run_with_hooks(tokens, fwd_hooks=[(canonical, edit_standard)])
+            plain = model(tokens)
+        torch.testing.assert_close(via_alias, via_canonical, rtol=0, atol=0)
+        assert not torch.allclose(via_alias, plain), alias
+
+
+def test_aliases_in_add_hook_hooks_and_names_filter(run):
+    model, tokens, logits, cache = run
+    seen = []
+    model.add_hook("blocks.1.attn.hook_v", lambda t, hook: seen.append(t.shape))
+    with torch.no_grad():
+        model(tokens)
+    model.reset_hooks()
+    assert seen == [cache["blocks.1.attn.hook_v"].shape]
+    with model.hooks(fwd_hooks=[("blocks.0.hook_mlp_out", lambda t, hook: torch.zeros_like(t))]):
+        with torch.no_grad():
+            zeroed = model(tokens)
+    with torch.no_grad():
+        reference = model.run_with_hooks(tokens, fwd_hooks=[("layers.0.mlp.mlp_output",
+                                                              lambda t, hook: torch.zeros_like(t))])
+    torch.testing.assert_close(zeroed, reference, rtol=0, atol=0)
+    for names_filter in (["blocks.0.attn.hook_pattern", "ln_final.hook_scale"],
+                         lambda name: name in ("blocks.0.attn.hook_pattern", "ln_final.hook_scale")):
+        with torch.no_grad():
+            _, small = model.run_with_cache(tokens, names_filter=names_filter)
+        assert set(small.keys()) == {"layers.0.self_attn.attention_probabilities", "norm.norm_scale"}
+        torch.testing.assert_close(small["pattern", 0], cache["pattern", 0], rtol=0, atol=0)
+
+
+def test_pos_slice_slices_each_values_own_position_axis(run):
+    model, tokens, _, cache = run
+    with torch.no_grad():
+        _, sliced = model.run_with_cache(tokens, pos_slice=[1, 3])
+    for name, point in model.hook_dict.items():
+        axis = point.value.seq_axis
+        if name not in sliced.cache_dict or axis is None:
+            continue
+        expected = cache[name].index_select(axis, torch.tensor([1, 3]))
+        torch.testing.assert_close(sliced[name], expected, rtol=0, atol=0, msg=name)
+
+
+# ----------------------------------------------------------------------------- weight views
+def test_weight_views_share_storage_and_write_through(tl_model):
+    model = tl_model
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    views = [(attn.W_Q, attn.q_proj.weight), (attn.W_K, attn.k_proj.weight), (attn.W_V, attn.v_proj.weight),
+             (attn.W_O, attn.o_proj.weight), (mlp.W_in, mlp.up_proj.weight), (mlp.W_out, mlp.down_proj.weight),
+             (model.W_U, model.lm_head.weight), (model.W_E, model.embed_tokens.weight)]
+    for view, param in views:
+        assert view.data_ptr() == param.data_ptr()
+    d_head, g = model.cfg.d_head, model.cfg.n_heads // model.cfg.n_key_value_heads
+    assert attn.W_Q.shape == (model.cfg.n_heads, model.cfg.d_model, d_head)
+    assert attn.W_K.shape == (model.cfg.n_key_value_heads, model.cfg.d_model, d_head)
+    assert attn.W_O.shape == (model.cfg.n_heads, d_head, model.cfg.d_model)
+    with torch.no_grad():
+        attn.W_Q[1, 3, 2] += 5.0
+        attn.W_K[1, 4, 0] -= 2.0
+        attn.W_O[2, 1, 7] += 3.0
+        mlp.W_in[5, 6] += 1.0
+        model.W_U[2, 9] += 4.0
+    assert attn.q_proj.weight[1 * d_head + 2, 3] == attn.W_Q[1, 3, 2]
+    assert attn.k_proj.weight[1 * d_head + 0, 4] == attn.W_K[1, 4, 0]
+    assert attn.o_proj.weight[7, 2 * d_head + 1] == attn.W_O[2, 1, 7]
+    assert mlp.up_proj.weight[6, 5] == mlp.W_in[5, 6]
+    assert model.lm_head.weight[9, 2] == model.W_U[2, 9]
+    torch.testing.assert_close(attn.W_K_expanded[2 * g - 1], attn.W_K[1])
+
+
+def test_weight_views_compute_the_cached_values(run):
+    model, tokens, _, cache = run
+    torch.testing.assert_close(cache["hook_embed"], model.W_E[tokens])
+    g = model.cfg.n_heads // model.cfg.n_key_value_heads
+    for layer, block in enumerate(model.blocks):
+        attn, mlp = block.attn, block.mlp
+        x = cache["normalized", layer, "ln1"] * block.ln1.weight
+        torch.testing.assert_close(torch.einsum("bsm,hmd->bshd", x, attn.W_Q), cache["q", layer], **close)
+        torch.testing.assert_close(torch.einsum("bsm,hmd->bshd", x, attn.W_K), cache["k", layer], **close)
+        torch.testing.assert_close(torch.einsum("bsm,hmd->bshd", x, attn.W_V), cache["v", layer], **close)
+        torch.testing.assert_close(torch.einsum("bshd,hdm->bsm", cache["z", layer], attn.W_O),
+                                   cache["attn_out", layer], **close)
+        y = cache["normalized", layer, "ln2"] * block.ln2.weight
+        torch.testing.assert_close(y @ mlp.W_in, cache["pre", layer], **close)
+        torch.testing.assert_close(cache["post", layer] @ mlp.W_out, cache["mlp_out", layer], **close)
+        # Circuits: query head h reads kv head h // g.
+        qk, ov = attn.QK.AB, attn.OV.AB
+        for h in range(model.cfg.n_heads):
+            scores = torch.einsum("bqd,bkd->bqk", cache["q", layer][:, :, h], cache["k", layer][:, :, h // g])
+            torch.testing.assert_close(torch.einsum("bqm,mn,bkn->bqk", x, qk[h], x), scores, **close)
+            torch.testing.assert_close(x @ ov[h], cache["v", layer][:, :, h // g] @ attn.W_O[h], **close)
+        torch.testing.assert_close(model.W_Q[layer], attn.W_Q)
+        torch.testing.assert_close(model.OV.AB[layer], ov)
+        torch.testing.assert_close(model.QK.AB[layer], qk)
+    final = cache["ln_final.hook_normalized"] * model.ln_final.weight
+    torch.testing.assert_close(final @ model.W_U + model.b_U, cache["logits"], **close)
+
+
+# ----------------------------------------------------------------------- the cache's helpers
+def test_decompositions_sum_to_the_stream_they_decompose(run):
+    model, _, _, cache = run
+    n = model.cfg.n_layers
+    for layer in range(n + 1):
+        target = cache["resid_post", n - 1] if layer == n else cache["resid_pre", layer]
+        torch.testing.assert_close(cache.decompose_resid(layer).sum(0), target, **close)
+        full, labels = cache.get_full_resid_decomposition(layer, expand_neurons=True, return_labels=True)
+        assert len(labels) == full.shape[0]
+        torch.testing.assert_close(full.sum(0), target, **close)
+        if layer > 0:
+            heads = cache.stack_head_results(layer, incl_remainder=True)
+            torch.testing.assert_close(heads.sum(0), target, **close)
+    for layer in range(n):
+        torch.testing.assert_close(cache.decompose_resid(layer, mlp_input=True).sum(0), cache["resid_mid", layer],
+                                   **close)
+        torch.testing.assert_close(cache.get_full_resid_decomposition(layer, mlp_input=True).sum(0),
+                                   cache["resid_mid", layer], **close)
+        heads = cache.stack_head_results(layer + 1)[layer * model.cfg.n_heads:]
+        torch.testing.assert_close(heads.sum(0), cache["attn_out", layer], **close)
+        neurons = cache.stack_neuron_results(layer + 1)[layer * model.cfg.d_mlp:]
+        torch.testing.assert_close(neurons.sum(0), cache["mlp_out", layer], **close)
+    accumulated = cache.accumulated_resid(incl_mid=True)
+    torch.testing.assert_close(accumulated[-1], cache["resid_post", n - 1])
+
+
+def test_head_results_are_computed_from_z_when_not_cached(run):
+    model, tokens, _, cache = run
+    with torch.no_grad():
+        _, partial = model.run_with_cache(tokens, names_filter=lambda name: "result" not in name)
+    assert "blocks.0.attn.hook_result" not in partial
+    torch.testing.assert_close(partial.stack_head_results(), cache.stack_head_results(), **close)
+    assert "layers.0.self_attn.attention_head_results" in partial.cache_dict  # stored by its own name
+
+
+def test_apply_ln_gives_each_components_share_of_the_norms_output(run):
+    """Summed, the normed stack is the norm's output (less its bias): the weight is applied."""
+    model, _, _, cache = run
+    n = model.cfg.n_layers
+    for layer in range(n + 1):
+        for mlp_input in ((False, True) if layer < n else (False,)):
+            if layer == n:
+                norm, name = model.ln_final, "final_norm_output"
+            else:
+                norm = model.blocks[layer].ln2 if mlp_input else model.blocks[layer].ln1
+                name = f"layers.{layer}.{'mlp_norm_output' if mlp_input else 'attention_norm_output'}"
+            bias = getattr(norm, "bias", None)
+            target = cache[name] - (0 if bias is None else bias)
+            stack = cache.get_full_resid_decomposition(layer, mlp_input=mlp_input, apply_ln=True)
+            torch.testing.assert_close(stack.sum(0), target, **close)
+
+
+def test_direct_logit_attribution_sums_to_the_logit_difference(run):
+    model, tokens, logits, cache = run
+    assert (model.ln_final.weight - 1).abs().max() > 0.1  # the trap only shows with real norm weights
+    answer, wrong = torch.tensor([3, 7]), torch.tensor([5, 1])
+    truth = logits[torch.arange(2), :, answer] - logits[torch.arange(2), :, wrong]
+    bias = cache.readout_bias_attrs(answer, wrong)
+    for stack in (cache.get_full_resid_decomposition(expand_neurons=True), cache.decompose_resid(),
+                  cache.get_full_resid_decomposition(expand_neurons=False)):
+        attrs = cache.logit_attrs(stack, answer, wrong)
+        torch.testing.assert_close(attrs.sum(0) + bias, truth, **close)
+    # One position, and a string-free single token: the logit itself.
+    stack = cache.decompose_resid(pos_slice=-1)
+    attrs = cache.logit_attrs(stack, 4, pos_slice=-1)
+    torch.testing.assert_close(attrs.sum(0) + cache.readout_bias_attrs(4, pos_slice=-1), logits[:, -1, 4], **close)
+    # The projected fast path of get_full_resid_decomposition agrees.
+    direction = model.tokens_to_residual_directions(3) - model.tokens_to_residual_directions(5)
+    projected = cache.get_full_resid_decomposition(apply_ln=True, project_output_onto=direction)
+    torch.testing.assert_close(projected.sum(0) + cache.readout_bias_attrs(3, 5), logits[..., 3] - logits[..., 5],
+                               **close)
+
+
+def test_logit_lens_and_accumulated_resid_reach_the_models_logits(run):
+    model, _, logits, cache = run
+    stack = cache.accumulated_resid(apply_ln=True)
+    torch.testing.assert_close(model.unembed(stack[-1]), logits, **close)
+    lens = cache.logit_lens(positions=None)
+    torch.testing.assert_close(lens.values[-1], logits, **close)
+    assert lens.values.shape[0] == model.cfg.n_layers + 1
+
+
+# ---------------------------------------------------------------------------------- gradients
+def test_run_with_cache_incl_bwd_gives_the_gradients(tl_model):
+    model = tl_model
+    tokens = tokens_for(model)
+    loss, cache = model.run_with_cache(tokens, return_type="loss", incl_bwd=True)
+    kept = {}
+
+    def keep(tensor, hook):
+        kept[hook.name] = tensor
+
+    keys = "layers.0.self_attn.attention_keys_unrotated"
+    loss2 = model.run_with_hooks(tokens, return_type="loss", fwd_hooks=[("layers.1.layer_input", keep), (keys, keep)])
+    grads = torch.autograd.grad(loss2, [kept["layers.1.layer_input"], kept[keys]])
+    grads = grads[0], model.hook_dict[keys].value.to_tl(grads[1])  # [batch pos kv_head d_head]
+    torch.testing.assert_close(loss, loss2)
+    torch.testing.assert_close(cache["blocks.1.hook_resid_pre_grad"], grads[0], **close)
+    torch.testing.assert_close(cache["blocks.0.attn.hook_k_grad"], grads[1], **close)
+    # A backward hook added under a TransformerLens name sees that name and that layout.
+    seen = {}
+    model.add_hook("blocks.0.attn.hook_k", lambda grad, hook: seen.update(grad=grad, name=hook.name), dir="bwd")
+    model(tokens, return_type="loss").backward()
+    model.reset_hooks()
+    assert seen["name"] == "blocks.0.attn.hook_k"
+    torch.testing.assert_close(seen["grad"], grads[1], **close)
+
+
+def test_attribution_patching_agrees_with_patching_for_small_edits(tl_model):
+    model = tl_model
+    tokens = tokens_for(model, seed=1)
+    metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 5].sum()  # noqa: E731
+    grads, acts = {}, {}
+    model.add_hook("blocks.1.attn.hook_z", lambda t, hook: acts.update(z=t.detach()))
+    model.add_hook("blocks.1.attn.hook_z", lambda g, hook: grads.update(z=g.detach()), dir="bwd")
+    base = metric(model(tokens))
+    base.backward()
+    model.reset_hooks()
+    edit = 0.02 * torch.randn(acts["z"].shape, generator=torch.Generator().manual_seed(0))
+    estimates = (grads["z"] * edit).sum((0, 1, 3))
+    truths = []
+    for head in range(model.cfg.n_heads):
+        def patch(z, hook, head=head):
+            z = z.clone()
+            z[:, :, head] += edit[:, :, head]
+            return z
+
+        with torch.no_grad():
+            truths.append(metric(model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.attn.hook_z", patch)])) - base)
+    truths = torch.stack(truths).detach()
+    assert truths.abs().max() > 1e-3
+    torch.testing.assert_close(estimates, truths, rtol=0.05, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- weight processing
+def test_fold_ln_leaves_logits_and_attributions_unchanged(tl_model):
+    model = tl_model
+    tokens = tokens_for(model)
+    with torch.no_grad():
+        before = model(tokens)
+        model.fold_ln()
+        logits, cache = model.run_with_cache(tokens)
+    torch.testing.assert_close(logits, before, **close)
+    for norm, _ in model.norm_readers():
+        assert bool((norm.weight == 1).all())
+    attrs = cache.logit_attrs(cache.get_full_resid_decomposition(), 3, 5)
+    torch.testing.assert_close(attrs.sum(0) + cache.readout_bias_attrs(3, 5), logits[..., 3] - logits[..., 5],
+                               **close)
+
+
+def test_center_unembed_keeps_the_distribution(tl_model):
+    model = tl_model
+    tokens = tokens_for(model)
+    with torch.no_grad():
+        before = model(tokens).log_softmax(-1)
+        model.center_unembed()
+        after = model(tokens).log_softmax(-1)
+    torch.testing.assert_close(after, before, **close)
+    torch.testing.assert_close(model.W_U.mean(-1), torch.zeros(model.cfg.d_model), rtol=0, atol=1e-6)
