@@ -173,13 +173,14 @@ class GenerationMixin:
         temperature: 0 (or `do_sample=False`) picks the argmax; otherwise tokens are drawn from
             softmax(logits / temperature), restricted to the `top_k` most likely and to the nucleus
             of mass `top_p` when given (see `pick_next_tokens`).
-        stop_at_eos: a row that produced an EOS (`eos_token_id`, else the config's, else the
+        stop_at_eos: a row that produced an EOS (`eos_token_id`, else the config's and the
             tokenizer's) is filled with the pad token from then on; generation ends when every row has.
         seed: draws come from a generator seeded with it; without it, from torch's global stream.
         fwd_hooks: [(name, hook)] active for the whole generation (as in `model.hooks`) and
             removed afterwards, also when a hook raises. Hooks already active on the model apply too.
         use_cache: decode with a key/value cache where the family has one. A step's hooks then see
             the new position only; with use_cache=False they see the whole sequence every step.
+            Either way positions are real: counted from each row's first token, padding masked.
         chat: render the input with the tokenizer's chat template first (`apply_chat_template`).
         return_type: "tokens" (prompt, left-padded, and continuation: [batch seq], also for a
             [seq] input), "str" (each prompt's text followed by its continuation's: a string for
