@@ -23,10 +23,12 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import product
 
 import torch
+import torch.nn as nn
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -466,40 +468,116 @@ def activation_patch(
     """
     base, source = _runs(model, clean, corrupted, direction)
     sites = find_sites(model, value)
+    names = [s.name for s in sites]
+    layer_outputs = [n for n in model.hook_dict if _LAYER_OUTPUT.fullmatch(n)]
+    fired: list[str] = []
     with torch.no_grad():
-        source_logits, cache = model.run_with_cache(source, names_filter=[s.name for s in sites])
-        base_logits = model(base)
+        source_logits, cache = model.run_with_cache(source, names_filter=names)
+        # The unpatched run, its values at the sites, each layer's output, and the order they come in.
+        marks = [(n, lambda a, hook: fired.append(hook.name)) for n in dict.fromkeys(names + layer_outputs)]
+        with model.hooks(fwd_hooks=marks):
+            base_logits, base_cache = model.run_with_cache(base, names_filter=names + layer_outputs)
     sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
     grid, patches = plan(model, sites, over, select, sizes, position_labels)
+    base_metric = _scalar(metric(base_logits))
+    # A patch that writes what is already there changes nothing (positions before the prompts' first
+    # difference, say): its metric is the unpatched one, and it needs no forward.
+    todo = [i for i, p in enumerate(patches) if _changes(cache[p.site], base_cache[p.site], p.index)]
+    first_layer = _first_layers(sites, fired, layer_outputs)
     per_forward = batch_size or max(1, memory_budget // row_bytes(model, base))
-    chunks = math.ceil(len(patches) / per_forward)
+    chunks = math.ceil(len(todo) / per_forward)
     show = sys.stderr.isatty() and chunks > 1 if progress is None else progress
-    results = []
+    results = base_metric.repeat(len(patches))
     with torch.no_grad(), tqdm(total=len(patches), disable=not show, desc=f"patching {value}",
                                unit="patch") as bar:
-        for start in range(0, len(patches), per_forward):
-            chunk = patches[start:start + per_forward]
+        bar.update(len(patches) - len(todo))
+        for start in range(0, len(todo), per_forward):
+            rows = todo[start:start + per_forward]
+            chunk = [patches[i] for i in rows]
             hooks = []
             for site in dict.fromkeys(p.site for p in chunk):
                 source_value = cache[site]
                 mask = _mask(chunk, site, tuple(source_value.shape[1:]), source_value.device)
                 hooks.append((site, lambda a, hook, m=mask, s=source_value: _write_patches(a, hook, m, s)))
-            with model.hooks(fwd_hooks=hooks):
+            first = min(first_layer[p.site] for p in chunk)
+            with model.hooks(fwd_hooks=hooks), _replaying_layers(model, first, base_cache, len(chunk)):
                 logits = model(base.repeat(len(chunk), 1))
-            for copy in logits.unflatten(0, (len(chunk), -1)):
-                results.append(_scalar(metric(copy)))
+            for row, copy in zip(rows, logits.unflatten(0, (len(chunk), -1))):
+                results[row] = _scalar(metric(copy))
             bar.update(len(chunk))
-    clean_logits, corrupted_logits = ((source_logits, base_logits) if direction == "denoising"
-                                      else (base_logits, source_logits))
+    source_metric = float(_scalar(metric(source_logits)))
+    clean_metric, corrupted_metric = ((source_metric, float(base_metric)) if direction == "denoising"
+                                      else (float(base_metric), source_metric))
     return PatchingResult(
-        values=torch.stack(results).reshape(grid.shape),
+        values=results.reshape(grid.shape),
         axes=tuple(grid.axes),
         labels=grid.labels,
         value=value,
         direction=direction,
-        clean_metric=float(_scalar(metric(clean_logits))),
-        corrupted_metric=float(_scalar(metric(corrupted_logits))),
+        clean_metric=clean_metric,
+        corrupted_metric=corrupted_metric,
     )
+
+
+_LAYER_OUTPUT = re.compile(r"layers\.(\d+)\.layer_output")
+
+
+def _changes(source: Tensor, base: Tensor, index: tuple) -> bool:
+    """Whether a patch writes anything that differs from what the unpatched run has there."""
+    where = (slice(None), *(list(s) if isinstance(s, tuple) else slice(None) if s is None else s for s in index))
+    return not torch.equal(source[where], base[where])
+
+
+def _first_layers(sites: list[Site], fired: list[str], layer_outputs: list[str]) -> dict[str, int]:
+    """Per site, how many layers run before it, unchanged by a patch there: a layer's own sites come
+    after the layers below it; a model-level site after the layers whose outputs fired before it."""
+    first = {}
+    for site in sites:
+        if site.layer is not None:
+            first[site.name] = site.layer
+        elif site.name in fired:
+            first[site.name] = sum(1 for name in fired[:fired.index(site.name)] if name in layer_outputs)
+        else:
+            first[site.name] = 0
+    return first
+
+
+class _Passthrough(nn.Module):
+    """Stands in for a layer below the patches whose output is never read: returns its input."""
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        return x
+
+
+class _Replay(nn.Module):
+    """Stands in for the last layer below the patches: the unpatched run's output, once per copy."""
+
+    def __init__(self, output: Tensor, copies: int):
+        super().__init__()
+        self.output, self.copies = output, copies
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        return self.output.repeat(self.copies, *[1] * (self.output.ndim - 1))
+
+
+@contextmanager
+def _replaying_layers(model, first: int, base_cache, copies: int):
+    """While patches start at layer `first`, layers below it are not recomputed: every copy's input
+    to layer `first` is the unpatched run's (a patch cannot reach back), so it is replayed."""
+    layers = getattr(model, "layers", None)
+    last = f"layers.{first - 1}.layer_output"
+    if first == 0 or not isinstance(layers, nn.ModuleList) or last not in base_cache.cache_dict:
+        yield
+        return
+    originals = [layers[i] for i in range(first)]
+    try:
+        for i in range(first - 1):
+            layers[i] = _Passthrough()
+        layers[first - 1] = _Replay(base_cache.cache_dict[last], copies)
+        yield
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
 
 
 def attribution_patch(

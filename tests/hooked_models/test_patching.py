@@ -123,9 +123,25 @@ def test_memory_budget_sets_the_forwards(tiny_arcee, prompts):
     with tiny_arcee.hooks(fwd_hooks=[hook]):
         patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer", "pos"),
                                   memory_budget=5 * per_row)
-    # Two unpatched runs, then 16 patches in copies of 5 prompts·2: 5+5+5+1 patches.
-    assert batches == [2, 2, 10, 10, 10, 2]
-    assert math.ceil(16 / 5) == len(batches) - 2
+    # Two unpatched runs, then the patches that change something, 5 copies of the 2 prompts a forward:
+    # the embeddings (layer 0) differ at positions 2 and 5 only, layer 1's input from position 2 on.
+    assert batches == [2, 2, 10, 6]
+    assert math.ceil((2 + 6) / 5) == len(batches) - 2
+
+
+def test_layers_below_the_patches_are_replayed_not_recomputed(tiny_arcee, prompts):
+    clean, corrupted = prompts
+    runs = {0: [], 1: []}
+    hooks = [(f"layers.{i}.layer_output", lambda x, hook, i=i: runs[i].append(x.shape[0])) for i in (0, 1)]
+    with tiny_arcee.hooks(fwd_hooks=hooks):
+        result = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "attention_head_outputs",
+                                           ("layer", "head"), select={"layer": [1]})
+    # Layer 0 ran for the clean and corrupted runs only; layer 1 also for the 10 patched copies.
+    assert runs == {0: [2, 2], 1: [2, 2, 20]}
+    with torch.no_grad():
+        _, clean_cache = tiny_arcee.run_with_cache(clean)
+        expected = tl_patching.get_act_patch_attn_head_out_all_pos(tiny_arcee, corrupted, clean_cache, metric)
+    torch.testing.assert_close(result.values[0], expected[1].float(), rtol=1e-5, atol=1e-6)
 
 
 def test_progress_bar_when_asked(tiny_arcee, prompts, capsys):
