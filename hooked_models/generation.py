@@ -8,7 +8,8 @@ and stops each row at EOS. Hooks active on the model (`with model.hooks(...)`) o
 A family picks its decoder in `_decoder`:
 - `CachedDecoder` (families with `supports_kv_cache`, Arcee): runs the prompt once, then only the
   new position, against a key/value cache. A step's hooks see the NEW POSITION ONLY ([batch 1 ...];
-  the attention pattern is [batch heads 1 key], over every cached key).
+  the attention pattern is [batch heads 1 key], over every cached key); `lm_head_output` and
+  `logits` are computed for the last position only, also while the prompt runs.
 - `RecomputeDecoder` (`use_cache=False`, or a family without a cache): runs the whole sequence each
   step, so every step's hooks see every position, as TransformerLens does with use_past_kv_cache=False.
 - `PaddedWindowDecoder` (alpha-er): the reference's rule, see its docstring.
@@ -56,7 +57,8 @@ class CachedDecoder(RecomputeDecoder):
         seen = self.cache.length
         # Only the prompt can hold padding; generated positions are real (mask None: all ones).
         new_mask = mask[:, seen:] if mask is not None and seen == 0 else None
-        return self.model(tokens[:, seen:], attention_mask=new_mask, past_kv_cache=self.cache)[:, -1]
+        logits = self.model(tokens[:, seen:], attention_mask=new_mask, past_kv_cache=self.cache, logits_to_keep=1)
+        return logits[:, -1]
 
 
 class PaddedWindowDecoder:

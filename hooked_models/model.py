@@ -47,7 +47,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     TransformerLens's model surface from hooked_models/transformer_lens_compat.py."""
 
     tokenizer: Any = None
-    supports_kv_cache = False  # whether `_logits` takes a `past_kv_cache` (incremental decoding)
+    # Whether `_logits` takes `past_kv_cache` and `logits_to_keep`: incremental decoding.
+    supports_kv_cache = False
 
     def __init__(self):
         super().__init__()
@@ -207,14 +208,16 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
 
     # --------------------------------------------------------------------------------- forward
     def forward(self, input, attention_mask: Tensor | None = None, return_type: str | None = "logits",
-                past_kv_cache: KeyValueCache | None = None):
+                past_kv_cache: KeyValueCache | None = None, logits_to_keep: int = 0):
         """Logits [batch seq vocab_size] for tokens [batch seq] (or text, through the tokenizer).
 
         `attention_mask` marks real tokens with 1 and padding with 0, on either side; each row's
         positions count from its first real token. `return_type` is "logits", "loss" (mean next-token
         cross-entropy over real tokens), "both" ((logits, loss)) or None. `past_kv_cache` (families
         with `supports_kv_cache`) holds the earlier positions: `tokens` and `attention_mask` are then
-        the new positions only, and the cache grows by them.
+        the new positions only, and the cache grows by them. `logits_to_keep` > 0 (same families)
+        computes the logits of the last that many positions only, as generation needs: `lm_head_output`,
+        `logits` and `next_token_probs` then cover those positions.
         """
         tokens, attention_mask = self._prepare_inputs(input, attention_mask)
         extra = {}
@@ -225,6 +228,13 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
                 raise ValueError(f"{past_kv_cache.length} cached + {tokens.shape[1]} new positions exceed "
                                  f"the model's {self.max_positions} positions")
             extra["past_kv_cache"] = past_kv_cache
+        if logits_to_keep:
+            if not self.supports_kv_cache:
+                raise ValueError(f"{type(self).__name__} does not support logits_to_keep")
+            if return_type not in ("logits", None):
+                raise ValueError(f"return_type={return_type!r} needs every position's logits; "
+                                 "drop logits_to_keep")
+            extra["logits_to_keep"] = logits_to_keep
         tokens = self.input_ids(tokens)
         if attention_mask is None and self.attention_mask.has_hooks():
             attention_mask = torch.ones_like(tokens)
@@ -234,7 +244,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             self.input_size(torch.tensor(tuple(tokens.shape)))
         logits = self.logits(self._logits(tokens, attention_mask, **extra))
         if self.next_token_probs.has_hooks():
-            self.next_token_probs(self._next_token_probs(logits, attention_mask))
+            kept = attention_mask if attention_mask is None else attention_mask[:, -logits.shape[1]:]
+            self.next_token_probs(self._next_token_probs(logits, kept))
         if return_type is None:
             return None
         if return_type == "logits":

@@ -156,8 +156,8 @@ class HookedArcee(HookedModel):
 
     def _logits(
         self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None,
-        past_kv_cache: KeyValueCache | None = None,
-    ) -> Float[Tensor, "batch seq vocab_size"]:
+        past_kv_cache: KeyValueCache | None = None, logits_to_keep: int = 0,
+    ) -> Float[Tensor, "batch _ vocab_size"]:
         batch, seq = tokens.shape
         x = self.token_embeddings(self.embed_tokens(tokens))
         total = seq
@@ -172,6 +172,9 @@ class HookedArcee(HookedModel):
         for layer in self.layers:
             x = layer(x, inputs)
         x = self.final_norm_output(self.norm(x))
+        if logits_to_keep:
+            # As transformers' logits_to_keep: generation reads one position, not the prompt's vocab_size each.
+            x = x[:, -logits_to_keep:]
         return self.lm_head_output(self.lm_head(x))
 
     @classmethod

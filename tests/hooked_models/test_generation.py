@@ -130,13 +130,18 @@ def test_hooks_see_real_positions_with_and_without_cache(tiny_arcee):
     for use_cache in (True, False):
         seen = shapes[use_cache] = []
         fwd_hooks = [("blocks.0.hook_resid_post", lambda x, hook: x + 0.5 * direction),
-                     ("layers.1.self_attn.attention_probabilities", lambda p, hook: seen.append(tuple(p.shape)))]
+                     ("layers.1.self_attn.attention_probabilities", lambda p, hook: seen.append(tuple(p.shape))),
+                     ("logits", lambda x, hook: seen.append(tuple(x.shape)))]
         results[use_cache] = tiny_arcee.generate(tokens, attention_mask=mask, temperature=0, max_new_tokens=5,
                                                  use_cache=use_cache, fwd_hooks=fwd_hooks)
     heads = tiny_arcee.cfg.num_heads
-    # With the cache a step sees its new query over every key so far; without, the whole square.
-    assert shapes[True] == [(2, heads, width, width)] + [(2, heads, 1, width + i) for i in range(1, 5)]
-    assert shapes[False] == [(2, heads, width + i, width + i) for i in range(5)]
+    # With the cache a step sees its new query over every key so far, and the logits of the last
+    # position only (the prompt's others are never computed); without, the whole sequence.
+    vocab = tiny_arcee.cfg.vocab_size
+    assert shapes[True] == [(2, heads, width, width), (2, 1, vocab)] + [
+        shape for i in range(1, 5) for shape in ((2, heads, 1, width + i), (2, 1, vocab))]
+    assert shapes[False] == [shape for i in range(5) for shape in ((2, heads, width + i, width + i),
+                                                                   (2, width + i, vocab))]
     assert torch.equal(results[True], results[False])
     unsteered = tiny_arcee.generate(tokens, attention_mask=mask, temperature=0, max_new_tokens=5)
     assert not torch.equal(results[True], unsteered)

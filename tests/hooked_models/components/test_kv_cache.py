@@ -39,3 +39,19 @@ def test_cache_errors(tiny_arcee, reference_alpha_er_factory):
     alpha_er = HookedAlphaEr.from_reference(reference_alpha_er_factory())
     with pytest.raises(ValueError, match="HookedAlphaEr does not support a key/value cache"):
         alpha_er(torch.ones(1, 32, dtype=torch.long), past_kv_cache=KeyValueCache())
+
+
+def test_logits_to_keep(tiny_arcee):
+    tokens = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(tokens)
+    mask[1, :5] = 0
+    seen = []
+    hooks = [("next_token_probs", lambda p, hook: seen.append(p))]
+    with torch.no_grad():
+        full, expected = tiny_arcee.run_with_cache(tokens, attention_mask=mask, names_filter="next_token_probs")
+        with tiny_arcee.hooks(fwd_hooks=hooks):
+            kept = tiny_arcee(tokens, attention_mask=mask, logits_to_keep=3)
+    torch.testing.assert_close(kept, full[:, -3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen[0], expected["next_token_probs"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs every position's logits"):
+        tiny_arcee(tokens, return_type="loss", logits_to_keep=1)
