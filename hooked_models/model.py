@@ -71,6 +71,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             tl_host = tl_module_path(host)
             if tl_host is not None:
                 self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
+        self._tl_fallback_aliases()
         self._alias_names: dict[str, list[str]] = {}
         for alias, canonical in self.aliases.items():
             self._alias_names.setdefault(canonical, []).append(alias)

@@ -44,27 +44,59 @@ def per_head_out(weight: Float[Tensor, "hidden_size heads_by_dim"], heads: int) 
 
 
 @torch.no_grad()
-def fold_norm_(norm: nn.Module, readers: list[nn.Linear], center: bool) -> None:
-    """Fold a norm's weight (and bias) into the linear layers that read its output, in place.
+def fold_norm_(norm: nn.Module, readers: list, center: bool) -> None:
+    """Fold a norm's weight (and bias) into the layers that read its output, in place.
 
-    reader(n·w + b) = (W·w) n + (W b + c); the norm is left with weight 1 and bias 0. With `center`
-    (a LayerNorm, whose output sums to zero over features), each reader's rows are also centred,
-    which changes nothing it computes (TransformerLens's fold_ln does the same).
+    A reader is an nn.Linear, or (module, weight name, bias name) for a weight [..., out, in] that
+    reads the norm along its last axis (alpha-er's `down`, its experts' [expert out in] weights).
+    reader(n·w + b) = (W·w) n + (W b + c), the bias made if the reader has none; the norm is left
+    with weight 1 and bias 0. With `center` (a LayerNorm, whose output sums to zero over features)
+    each reader's rows are also centred, which changes nothing it computes (TransformerLens's
+    fold_ln does the same).
     """
     bias = getattr(norm, "bias", None)
     for reader in readers:
+        owner, weight_name, bias_name = (reader, "weight", "bias") if isinstance(reader, nn.Module) else reader
+        weight = getattr(owner, weight_name)
         if bias is not None and bool(bias.any()):
-            extra = reader.weight @ bias
-            if reader.bias is None:
-                reader.bias = nn.Parameter(extra)
+            extra = weight @ bias
+            if getattr(owner, bias_name) is None:
+                setattr(owner, bias_name, nn.Parameter(extra))
             else:
-                reader.bias += extra
-        reader.weight *= norm.weight
+                getattr(owner, bias_name).add_(extra)
+        weight *= norm.weight
         if center:
-            reader.weight -= reader.weight.mean(-1, keepdim=True)
+            weight -= weight.mean(-1, keepdim=True)
     norm.weight.fill_(1.0)
     if bias is not None:
         bias.zero_()
+
+
+class BottleneckReadout(nn.Module):
+    """A factored head up to its bottleneck: x -> LayerNorm(x @ down.T + down_bias), what `up` reads.
+
+    TransformerLens's logit lens computes ln_final(x) @ W_U + b_U; for a factored head this module
+    (after ln_final) and W = up.T make that exact, the bottleneck's norm recomputed per vector.
+    """
+
+    def __init__(self, final_norm: nn.Module, head: nn.Module):
+        super().__init__()
+        self.final_norm, self.head = final_norm, head
+
+    def forward(self, x: Float[Tensor, "*batch hidden_size"]) -> Float[Tensor, "*batch rank"]:
+        z = nn.functional.linear(self.final_norm(x), self.head.down, self.head.down_bias)
+        return self.head.norm(z)
+
+
+class _Delegate:
+    """An object that answers like `target`, except for the attributes given."""
+
+    def __init__(self, target, **overrides):
+        self._target = target
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
 
 
 class TransformerLensModel:
@@ -90,8 +122,30 @@ class TransformerLensModel:
     @property
     def b_U(self) -> Float[Tensor, " vocab_size"]:
         bias = getattr(self.unembed, "bias", None)
-        return bias if bias is not None else torch.zeros(self.cfg.d_vocab, dtype=self.W_U.dtype,
-                                                         device=self.W_U.device)
+        return bias if bias is not None else self.W_E.new_zeros(self.cfg.d_vocab)
+
+    # The readout, for direct logit attribution: a family whose head is not linear (alpha-er's
+    # bottleneck LayerNorm) names the scale that freezes it and overrides these.
+    readout_scale_name: str | None = None
+
+    def readout_constants(self) -> tuple[Float[Tensor, " vocab_size"], Float[Tensor, " vocab_size"]]:
+        """(scaled, fixed): each logit's part that no residual component carries. `scaled` is
+        divided by the readout scale (1 here), `fixed` is not: the final norm's bias through W_U, b_U."""
+        bias = getattr(self.ln_final, "bias", None)
+        scaled = self.b_U.new_zeros(self.cfg.d_vocab) if bias is None else bias @ self.W_U
+        return scaled, self.b_U
+
+    def readout_split(self) -> tuple[nn.Module, Tensor, Tensor]:
+        """(module, W, b) with logits = module(resid) @ W + b exactly: ln_final, W_U, b_U here."""
+        return self.ln_final, self.W_U, self.b_U
+
+    def _tl_fallback_aliases(self) -> None:
+        """Without rotary, queries and keys are the same before and after it: `hook_q`/`hook_k`
+        are then second names of `hook_rot_q`/`hook_rot_k` (transformer_lens.patching sweeps them)."""
+        for alias, canonical in list(self.aliases.items()):
+            for rotated, plain in ((".attn.hook_rot_q", ".attn.hook_q"), (".attn.hook_rot_k", ".attn.hook_k")):
+                if alias.endswith(rotated) and alias[: -len(rotated)] + plain not in self.aliases:
+                    self.aliases[alias[: -len(rotated)] + plain] = canonical
 
     @property
     def W_pos(self) -> Tensor:
@@ -134,9 +188,14 @@ class TransformerLensModel:
         """
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
-        if isinstance(tokens, Tensor) and tokens.ndim > 0:
-            return einops.rearrange(self.W_U[:, tokens.to(self.W_U.device)], "d ... -> ... d")
-        return self.W_U[:, int(tokens)]
+        w_u = self.W_U
+        index = tokens if isinstance(tokens, Tensor) and tokens.ndim > 0 else torch.tensor(int(tokens))
+        if isinstance(w_u, FactoredMatrix):  # a factored head: A @ B[:, tokens]
+            columns = w_u.A @ w_u.B[:, index.flatten().to(w_u.B.device)]
+            columns = columns.view(-1, *index.shape)
+        else:
+            columns = w_u[:, index.to(w_u.device)]
+        return einops.rearrange(columns, "d ... -> ... d")
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The sum of the attention and MLP output biases before `layer` (and its attention's when
@@ -153,14 +212,16 @@ class TransformerLensModel:
     # ----------------------------------------------------------------------- weight processing
     def untie_weights(self) -> None:
         """Give lm_head its own copy of a tied embedding, so that weight processing can edit one."""
-        if self.unembed.weight is self.embed.weight:
+        if getattr(self.unembed, "weight", None) is self.embed.weight:
             self.unembed.weight = nn.Parameter(self.embed.weight.detach().clone())
             self.cfg.tie_word_embeddings = False
 
     def fold_ln(self) -> None:
-        """Fold every norm's weight (and a LayerNorm's bias, and its centring) into the linear
-        layers that read it, leaving weight 1 and bias 0: the logits are unchanged, and W_Q, W_in,
-        W_U then include the norms. Unties a tied embedding first (the head changes, W_E must not).
+        """Fold every norm's weight (and a LayerNorm's bias, and its centring) into the layers that
+        read it (`norm_readers()`), leaving weight 1 and bias 0: the logits are unchanged, and W_Q,
+        W_in, W_U then include the norms. Unties a tied embedding first (the head changes, W_E must
+        not). A LayerNorm's bias may give a bias-free reader a bias: alpha-er's reference format has
+        no place for those, so such a model no longer exports to it.
         """
         from hooked_models.components import LayerNorm
 
@@ -170,12 +231,14 @@ class TransformerLensModel:
 
     @torch.no_grad()
     def center_unembed(self) -> None:
-        """Subtract each hidden direction's mean over the vocabulary from W_U (and b_U's mean):
-        every logit at a position moves by the same amount, so probabilities are unchanged."""
+        """Subtract the mean over the vocabulary from every logit's weights and bias: every logit
+        at a position moves by the same amount, so probabilities are unchanged. (The head's output
+        weight: lm_head.weight, or a factored head's `up`, and its bias if any.)"""
         self.untie_weights()
-        weight = self.unembed.weight
+        head = self.unembed
+        weight = head.weight if isinstance(head, nn.Linear) else head.up
         weight -= weight.mean(0, keepdim=True)
-        bias = getattr(self.unembed, "bias", None)
+        bias = head.bias if isinstance(head, nn.Linear) else head.up_bias
         if bias is not None:
             bias -= bias.mean()
 
@@ -204,6 +267,7 @@ class TransformerLensCache(ActivationCache):
         return block.ln2 if mlp_input else block.ln1
 
     def _ensure_head_results(self) -> bool:
+        # The attention's own head_results: z @ W_O per head, or a factored o_proj's frozen-scale terms.
         all_cached = True
         for layer in range(self.model.cfg.n_layers):
             name, _ = self.model.resolve_hook_name(f"blocks.{layer}.attn.hook_result")
@@ -211,8 +275,28 @@ class TransformerLensCache(ActivationCache):
                 continue
             all_cached = False
             z = self[("z", layer, "attn")]
-            self.cache_dict[name] = torch.einsum("...hd,hdm->...hm", z, self.model.blocks[layer].attn.W_O)
+            with torch.no_grad():
+                batched = z if self.has_batch_dim else z[None]
+                result = self.model.blocks[layer].attn.head_results(batched)
+            self.cache_dict[name] = result if self.has_batch_dim else result[0]
         return all_cached
+
+    def _dense_W_out(self, layer: int) -> Float[Tensor, "intermediate_size hidden_size"]:
+        """A block's W_out as [neuron hidden_size]: experts' [expert width hidden_size] flattened."""
+        w_out = self.model.blocks[layer].mlp.W_out
+        return w_out.flatten(0, 1) if w_out.ndim == 3 else w_out
+
+    def get_neuron_results(self, layer, neuron_slice=None, pos_slice=None, project_output_onto=None):
+        """Each neuron's contribution to the residual stream (TransformerLens's, with expert MLPs'
+        W_out flattened to the dense neuron index)."""
+        neuron_slice = neuron_slice if isinstance(neuron_slice, Slice) else Slice(neuron_slice)
+        pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+        acts = neuron_slice.apply(pos_slice.apply(self[("post", layer, "mlp")], dim=-2), dim=-1)
+        w_out = neuron_slice.apply(self._dense_W_out(layer), dim=0)
+        if project_output_onto is None:
+            return acts[..., None] * w_out
+        projected = w_out @ project_output_onto
+        return acts * projected if project_output_onto.ndim == 1 else acts[..., None] * projected
 
     def apply_ln_to_stack(self, residual_stack, layer=None, mlp_input=False, pos_slice=None, batch_slice=None,
                           has_batch_dim=True, recompute_ln=False):
@@ -231,35 +315,98 @@ class TransformerLensCache(ActivationCache):
 
     def _stack_neuron_results_apply_ln_projected(self, layer, pos_slice, neuron_slice, project_2d,
                                                  mlp_input=False):
-        # (n / s · w) @ p == (n / s) @ (w p): the weight goes into the projection.
-        weight = self._norm(layer, mlp_input).weight
-        return super()._stack_neuron_results_apply_ln_projected(layer, pos_slice, neuron_slice,
-                                                                weight[:, None] * project_2d, mlp_input)
+        """TransformerLens's fused path (normed neuron results projected, never materialized),
+        with the norm's weight: (c(x) / s · w) @ p == (c(x) / s) @ (w p), c the centring if any."""
+        project = self._norm(layer, mlp_input).weight[:, None] * project_2d
+        scale = self._get_cached_ln_scale(layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        parts = []
+        for l in range(layer):
+            w_out = neuron_slice.apply(self._dense_W_out(l), dim=0)
+            linear = w_out @ project
+            if self._uses_ln_centering(layer):
+                linear = linear - w_out.mean(-1)[:, None] * project.sum(0)[None, :]
+            acts = neuron_slice.apply(pos_slice.apply(self[("post", l, "mlp")], dim=-2), dim=-1)
+            parts.append((acts / scale)[..., None] * linear)
+        if not parts:
+            shape = pos_slice.apply(self["hook_embed"], dim=-2).shape[:-1]
+            return project.new_zeros(0, *shape, project.shape[-1])
+        return einops.rearrange(torch.cat(parts, dim=-2), "... neuron out -> neuron ... out")
+
+    def readout_scale(self, pos_slice=None, batch_slice=None) -> Tensor:
+        """The scale the readout's linearization divides by, per position ([batch seq], as the
+        slices leave it): alpha-er's head-bottleneck LayerNorm scale, frozen at its cached value;
+        ones for a linear head."""
+        pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+        batch_slice = batch_slice if isinstance(batch_slice, Slice) else Slice(batch_slice)
+        name = self.model.readout_scale_name
+        if name is None:
+            scale = torch.ones_like(self["hook_embed"][..., 0])
+        else:
+            scale = self[name][..., 0]
+        scale = pos_slice.apply(scale, dim=-1)
+        return batch_slice.apply(scale, dim=0) if self.has_batch_dim else scale
+
+    def logit_attrs(self, residual_stack, tokens, incorrect_tokens=None, pos_slice=None, batch_slice=None,
+                    has_batch_dim=True):
+        """TransformerLens's logit_attrs, divided by the readout's frozen scale (1 for a linear
+        head; alpha-er's head-bottleneck LayerNorm scale). With `readout_bias_attrs` the
+        attributions of a full decomposition sum to the logit (difference)."""
+        attrs = super().logit_attrs(residual_stack, tokens, incorrect_tokens, pos_slice, batch_slice, has_batch_dim)
+        if self.model.readout_scale_name is None:
+            return attrs
+        return attrs / self.readout_scale(pos_slice, batch_slice)
+
+    def logit_lens(self, **kwargs):
+        """TransformerLens's logit lens. A factored head (alpha-er) is read exactly: each entry goes
+        through the final norm, down and the bottleneck LayerNorm (statistics recomputed per
+        entry, as TransformerLens's lens recomputes ln_final's), then `up`, as the model does."""
+        from transformer_lens.tools.analysis._model_state import require_eval_mode
+        from transformer_lens.tools.analysis.logit_lens import logit_lens
+
+        if isinstance(self.model.W_U, Tensor):
+            return super().logit_lens(**kwargs)
+        if not kwargs.pop("apply_ln", True):
+            raise ValueError("a factored head reads the stream only through its final norm and bottleneck; "
+                             "apply_ln=False has no readout on this model")
+        require_eval_mode(self.model, operation="logit_lens")
+        pre, weight, bias = self.model.readout_split()
+        user_lens = kwargs.pop("lens", None)
+
+        def lens(entry, index):
+            return pre(entry if user_lens is None else user_lens(entry, index))
+
+        # TransformerLens's lens then reads rank-wide vectors through W = up.T, b = up_bias.
+        view = _Delegate(self.model, W_U=weight, b_U=bias, ln_final=pre,
+                         cfg=_Delegate(self.model.cfg, d_model=weight.shape[0]))
+        result = logit_lens(view, cache=self, lens=lens, apply_ln=False, **kwargs)
+        result.readout.applied_ln = True
+        return result
 
     def readout_bias_attrs(self, tokens, incorrect_tokens=None, pos_slice=None) -> Tensor:
         """The part of each logit (or logit difference) that no residual component carries: the
-        unembedding's bias (and, for a LayerNorm final norm, its bias through W_U).
+        final norm's bias through the head, and the head's own bias (alpha-er: its bottleneck
+        LayerNorm's bias, up(mid_b), and the final LayerNorm's bias through the frozen head).
 
         `logit_attrs(get_full_resid_decomposition(), tokens, incorrect).sum(0)` plus this is the
         model's logit (difference), exactly. [batch seq] (or as pos_slice leaves it).
         """
-        if not isinstance(pos_slice, Slice):
-            pos_slice = Slice(pos_slice)
-        constant = self.model.b_U
-        bias = getattr(self.model.ln_final, "bias", None)
-        if bias is not None:
-            constant = constant + bias @ self.model.W_U
+        scaled, fixed = self.model.readout_constants()
+        scale = self.readout_scale(pos_slice)
 
-        def pick(t):
+        def pick(constant, t):
             if isinstance(t, str):
                 t = self.model.to_single_token(t)
             return constant[torch.as_tensor(t, device=constant.device)]
 
-        value = pick(tokens) if incorrect_tokens is None else pick(tokens) - pick(incorrect_tokens)
-        reference = pos_slice.apply(self["hook_embed"], dim=-2)[..., 0]
-        if value.ndim == 1 and reference.ndim == 2 and value.shape[0] == reference.shape[0]:
-            value = value[:, None]  # one token per example, broadcast over positions
-        return torch.zeros_like(reference) + value
+        def term(constant):
+            value = pick(constant, tokens)
+            if incorrect_tokens is not None:
+                value = value - pick(constant, incorrect_tokens)
+            if value.ndim == 1 and scale.ndim == 2 and value.shape[0] == scale.shape[0]:
+                value = value[:, None]  # one token per example, broadcast over positions
+            return value
+
+        return term(scaled) / scale + term(fixed)
 
     def apply_slice_to_batch_dim(self, batch_slice):
         sliced = super().apply_slice_to_batch_dim(batch_slice)

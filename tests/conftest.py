@@ -239,10 +239,14 @@ def make_tl_family_model(family: str, seed: int = 0):
         from hooked_models import HookedArcee
 
         return HookedArcee.from_hf(make_hf_arcee(seed, **TL_TINY_ARCEE))
+    if family == "alpha_er":
+        from hooked_models import HookedAlphaEr
+
+        return HookedAlphaEr.from_reference(make_reference_alpha_er(seed))
     raise ValueError(family)
 
 
-@pytest.fixture(params=["arcee"])
+@pytest.fixture(params=["arcee", "alpha_er"])
 def tl_family(request):
     return request.param
 

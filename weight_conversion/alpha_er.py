@@ -131,8 +131,18 @@ def convert_alpha_er_state_dict(state: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def hooked_to_reference_state_dict(model: HookedAlphaEr) -> dict[str, torch.Tensor]:
-    """HookedAlphaEr's parameters under the reference's names."""
-    return {reference_tensor_name(name): tensor for name, tensor in model.state_dict().items()}
+    """HookedAlphaEr's parameters under the reference's names; a CheckpointError for a parameter the
+    reference has no place for (the biases `fold_ln` gives bias-free readers of a LayerNorm)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        try:
+            out[reference_tensor_name(name)] = tensor
+        except KeyError:
+            raise CheckpointError(
+                f"{name!r} has no place in alpha-er's reference format (fold_ln folds a LayerNorm's bias into "
+                "a reader that has no bias there); save before fold_ln, or keep the hooked model"
+            ) from None
+    return out
 
 
 # ------------------------------------------------------------------------------------------ loaders

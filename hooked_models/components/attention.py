@@ -247,3 +247,34 @@ class FusedQKVAttention(SelfAttention):
             for t in self.qkv_proj(x).split(width, dim=-1)
         )
         return self.attend(q, k, v, inputs)
+
+    # TransformerLens's weights, through the factored projections: exact with each bottleneck's
+    # LayerNorm scale frozen at its value for the input (`qkv_proj.norm.norm_scale`,
+    # `o_proj.norm.norm_scale`), as TransformerLens freezes a LayerNorm's scale for attribution.
+    # q_h = x W_Q[h] / scale + b_Q[h]; W_Q's A factor is a view of qkv_proj.down (edits write
+    # through), its B factor is derived from up and the bottleneck's weight (FactoredProjection.factors).
+    def _qkv(self, part: int) -> FactoredMatrix:
+        a, b = self.qkv_proj.factors
+        width = self.num_heads * self.head_dim
+        b = b[:, part * width:(part + 1) * width].view(-1, self.num_heads, self.head_dim).transpose(0, 1)
+        return FactoredMatrix(a, b)
+
+    W_Q = property(lambda self: self._qkv(0))
+    W_K = property(lambda self: self._qkv(1))
+    W_V = property(lambda self: self._qkv(2))
+    _W_K = W_K_expanded = W_K  # keys and values have a head per query head
+    _W_V = W_V_expanded = W_V
+    b_Q = property(lambda self: self.qkv_proj.out_bias().view(3, self.num_heads, self.head_dim)[0])
+    b_K = property(lambda self: self.qkv_proj.out_bias().view(3, self.num_heads, self.head_dim)[1])
+    b_V = property(lambda self: self.qkv_proj.out_bias().view(3, self.num_heads, self.head_dim)[2])
+    b_O = property(lambda self: self.o_proj.out_bias())
+
+    @property
+    def W_O(self) -> FactoredMatrix:
+        """[head head_dim hidden_size]: head h's share of o_proj, z_h W_O[h] / scale summed over heads
+        plus b_O being the output (the rows of A are views of o_proj.down)."""
+        a, b = self.o_proj.factors
+        return FactoredMatrix(a.view(self.num_heads, self.head_dim, -1), b)
+
+    QK = property(lambda self: self.W_Q @ self.W_K.T)
+    OV = property(lambda self: self.W_V @ self.W_O)

@@ -39,12 +39,15 @@ class FactoredProjection(HookedModule):
         self.down = nn.Parameter(torch.empty(rank, in_features))
         self.norm = LayerNorm(rank, eps, normalized=BOTTLENECK_VALUES["norm_normalized"])
         self.up = nn.Parameter(torch.empty(out_features, rank))
+        # Biases alpha-er does not have; `fold_ln` creates them when it folds a LayerNorm's bias in.
+        self.register_parameter("down_bias", None)
+        self.register_parameter("up_bias", None)
         self.bottleneck = ValueHook(BOTTLENECK_VALUES["bottleneck"])
         self.bottleneck_normed = ValueHook(BOTTLENECK_VALUES["bottleneck_normed"])
 
     def forward(self, x: Float[Tensor, "*batch in_features"]) -> Float[Tensor, "*batch out_features"]:
-        z = self.bottleneck(nn.functional.linear(x, self.down))
-        return nn.functional.linear(self.bottleneck_normed(self.norm(z)), self.up)
+        z = self.bottleneck(nn.functional.linear(x, self.down, self.down_bias))
+        return nn.functional.linear(self.bottleneck_normed(self.norm(z)), self.up, self.up_bias)
 
     def head_results(
         self, x: Float[Tensor, "batch seq num_heads head_dim"]
@@ -70,7 +73,15 @@ class FactoredProjection(HookedModule):
 
     def out_bias(self) -> Float[Tensor, "out_features"]:
         """The output's constant term: up(norm.bias), which no head owns."""
-        return nn.functional.linear(self.norm.bias, self.up)
+        return nn.functional.linear(self.norm.bias, self.up, self.up_bias)
+
+    @property
+    def factors(self) -> tuple[Float[Tensor, "in_features rank"], Float[Tensor, "rank out_features"]]:
+        """(A, B) with out = (x A + down_bias) B / scale + out_bias(), exact with the bottleneck's
+        LayerNorm scale frozen at its value for x: A = down.T (a view, so edits write through) and
+        B = C diag(norm.weight) up.T, C the centring the LayerNorm applies (derived, a copy)."""
+        b = (self.up * self.norm.weight).T
+        return self.down.T, b - b.mean(0, keepdim=True)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> rank {self.rank} -> {self.out_features}"

@@ -57,11 +57,13 @@ class ExpertLinear(nn.Module):
     def __init__(self, experts: int, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+        self.register_parameter("bias", None)  # [expert out_features]; only `fold_ln` creates one
 
     def forward(
         self, x: Float[Tensor, "batch expert window in_features"]
     ) -> Float[Tensor, "batch expert window out_features"]:
-        return torch.einsum("bgsi,goi->bgso", x, self.weight)
+        out = torch.einsum("bgsi,goi->bgso", x, self.weight)
+        return out if self.bias is None else out + self.bias[:, None, :]
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape
@@ -115,6 +117,13 @@ class PositionalExpertMLP(HookedModule):
         pre = self._dense_hooks(self.up_proj(windows), self.mlp_pre_activation)
         neurons = self._dense_hooks(self.act_fn(pre), self.mlp_activation, self.mlp_neurons)
         return self.mlp_output(self.down_proj(neurons).reshape(batch, seq, hidden))
+
+    # TransformerLens's weight views, one matrix per expert (views of the experts' weights): W_in
+    # [expert hidden_size width], W_out [expert width hidden_size]. Flattened over (expert, width)
+    # they index the dense neurons of `mlp_neurons` (neuron n of expert g is g·width + n).
+    W_in = property(lambda self: self.up_proj.weight.transpose(-1, -2))
+    W_out = property(lambda self: self.down_proj.weight.transpose(-1, -2))
+    b_in = property(lambda self: self.up_proj.bias)  # [expert width], once fold_ln has made one
 
     def _dense_hooks(
         self, compact: Float[Tensor, "batch expert window width"], *points: ValueHook

@@ -33,6 +33,7 @@ from hooked_models.components.attention import causal_mask
 from hooked_models.generation import PaddedWindowDecoder
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
+from hooked_models.transformer_lens_compat import BottleneckReadout, FactoredMatrix
 from hooked_models.vocabulary import declare_values
 
 ALPHA_ER_VALUES = declare_values("model", [
@@ -162,6 +163,42 @@ class HookedAlphaEr(HookedModel):
         self.position_embeddings = ValueHook(ALPHA_ER_VALUES["position_embeddings"])
         self.to(dtype=cfg.dtype)
         self.setup()
+
+    # TransformerLens's weights (hooked_models/transformer_lens_compat.py). The head is factored,
+    # logits = up(LayerNorm(down(ln_f(x)))), so its linearization freezes the bottleneck LayerNorm's
+    # scale (`lm_head.norm.norm_scale`) as TransformerLens freezes ln_final's: W_U is then
+    # FactoredMatrix(down.T, C diag(mid_w) up.T) per unit of that scale, and what no residual
+    # component carries (ln_f's bias through the head, up(mid_b)) is `cache.readout_bias_attrs`.
+    W_pos = property(lambda self: self.embed_positions.weight)
+    W_U = property(lambda self: FactoredMatrix(*self.lm_head.factors))
+    b_U = property(lambda self: self.lm_head.out_bias())
+    readout_scale_name = "lm_head.norm.norm_scale"
+
+    def readout_constants(self) -> tuple[Float[Tensor, " vocab_size"], Float[Tensor, " vocab_size"]]:
+        """(scaled, fixed) logit constants: (ln_f.bias @ down.T + down_bias) B, divided by the frozen
+        bottleneck scale; and up(mid_b) (+ up_bias), which is not."""
+        a, b = self.lm_head.factors
+        pre = self.norm.bias @ a
+        if self.lm_head.down_bias is not None:
+            pre = pre + self.lm_head.down_bias
+        return pre @ b, self.b_U
+
+    def readout_split(self) -> tuple[nn.Module, Tensor, Tensor]:
+        """(ln_f then down and the bottleneck LayerNorm, up.T, up_bias): logits exactly, per vector."""
+        bias = self.lm_head.up_bias
+        return (BottleneckReadout(self.norm, self.lm_head), self.lm_head.up.T,
+                self.lm_head.up.new_zeros(self.cfg.vocab_size) if bias is None else bias)
+
+    def norm_readers(self) -> list[tuple[nn.Module, list]]:
+        """Each LayerNorm and what reads its output: ln1 -> qkv's down, ln2 -> the experts' up,
+        ln_f -> the head's down, and each bottleneck's own LayerNorm -> its up."""
+        pairs = [(self.norm, [(self.lm_head, "down", "down_bias")])]
+        projections = [self.lm_head]
+        for layer in self.layers:
+            pairs.append((layer.input_layernorm, [(layer.self_attn.qkv_proj, "down", "down_bias")]))
+            pairs.append((layer.post_attention_layernorm, [layer.mlp.up_proj]))
+            projections += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        return pairs + [(proj.norm, [(proj, "up", "up_bias")]) for proj in projections]
 
     def check_length(self, seq: int) -> None:
         """A ValueError unless `seq` is a length alpha-er computes at: a multiple of mlp_experts, <= block_size."""

@@ -9,7 +9,7 @@ from transformer_lens.model_protocol import TransformerLensModelWithWeights
 close = dict(rtol=1e-5, atol=1e-5)
 
 
-def tokens_for(model, batch=2, seq=6, seed=0):
+def tokens_for(model, batch=2, seq=8, seed=0):
     return torch.randint(0, model.cfg.d_vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
@@ -118,8 +118,8 @@ def test_pos_slice_slices_each_values_own_position_axis(run):
 
 
 # ----------------------------------------------------------------------------- weight views
-def test_weight_views_share_storage_and_write_through(tl_model):
-    model = tl_model
+def test_weight_views_share_storage_and_write_through(tl_model_factory):
+    model = tl_model_factory("arcee")
     attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
     views = [(attn.W_Q, attn.q_proj.weight), (attn.W_K, attn.k_proj.weight), (attn.W_V, attn.v_proj.weight),
              (attn.W_O, attn.o_proj.weight), (mlp.W_in, mlp.up_proj.weight), (mlp.W_out, mlp.down_proj.weight),
@@ -144,8 +144,11 @@ def test_weight_views_share_storage_and_write_through(tl_model):
     torch.testing.assert_close(attn.W_K_expanded[2 * g - 1], attn.W_K[1])
 
 
-def test_weight_views_compute_the_cached_values(run):
-    model, tokens, _, cache = run
+def test_weight_views_compute_the_cached_values(tl_model_factory):
+    model = tl_model_factory("arcee")
+    tokens = tokens_for(model)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(cache["hook_embed"], model.W_E[tokens])
     g = model.cfg.n_heads // model.cfg.n_key_value_heads
     for layer, block in enumerate(model.blocks):
@@ -172,6 +175,60 @@ def test_weight_views_compute_the_cached_values(run):
     torch.testing.assert_close(final @ model.W_U + model.b_U, cache["logits"], **close)
 
 
+def test_alpha_er_weights_are_the_factored_projections_with_frozen_scales(tl_model_factory):
+    """alpha-er's W_Q ... W_U are FactoredMatrix views of the factored projections, exact with each
+    bottleneck LayerNorm's scale frozen at its cached value; W_in/W_out are per expert."""
+    from transformer_lens import FactoredMatrix
+
+    model = tl_model_factory("alpha_er")
+    tokens = tokens_for(model)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    assert isinstance(attn.W_Q, FactoredMatrix) and isinstance(model.W_U, FactoredMatrix)
+    for view, param in [(attn.W_Q.A, attn.qkv_proj.down), (attn.W_O.A, attn.o_proj.down), (mlp.W_in, mlp.up_proj.weight),
+                        (mlp.W_out, mlp.down_proj.weight), (model.W_U.A, model.lm_head.down),
+                        (model.W_pos, model.embed_positions.weight)]:
+        assert view.data_ptr() == param.data_ptr()
+    with torch.no_grad():
+        attn.W_O.A[1, 2, 3] += 1.0
+        model.W_U.A[4, 5] += 1.0
+        mlp.W_out[1, 2, 3] += 1.0
+    assert attn.o_proj.down[3, 1 * model.cfg.d_head + 2] == attn.W_O.A[1, 2, 3]
+    assert model.lm_head.down[5, 4] == model.W_U.A[4, 5]
+    assert mlp.down_proj.weight[1, 3, 2] == mlp.W_out[1, 2, 3]
+    with torch.no_grad():
+        attn.W_O.A[1, 2, 3] -= 1.0
+        model.W_U.A[4, 5] -= 1.0
+        mlp.W_out[1, 2, 3] -= 1.0
+    width, experts = model.cfg.d_mlp // model.cfg.mlp_experts, model.cfg.mlp_experts
+    for layer, block in enumerate(model.blocks):
+        attn, mlp = block.attn, block.mlp
+        x = cache[f"layers.{layer}.attention_norm_output"]
+        s_qkv = cache[f"layers.{layer}.self_attn.qkv_proj.norm.norm_scale"][..., None]
+        s_o = cache[f"layers.{layer}.self_attn.o_proj.norm.norm_scale"]
+        for w, b, name in ((attn.W_Q, attn.b_Q, "q"), (attn.W_K, attn.b_K, "k"), (attn.W_V, attn.b_V, "v")):
+            torch.testing.assert_close(torch.einsum("bsm,hmd->bshd", x, w.AB) / s_qkv + b, cache[name, layer], **close)
+        heads = torch.einsum("bshd,hdm->bsm", cache["z", layer], attn.W_O.AB)
+        torch.testing.assert_close(heads / s_o + attn.b_O, cache["attn_out", layer], **close)
+        q, k = cache["q", layer] - attn.b_Q, cache["k", layer] - attn.b_K
+        bilinear = torch.einsum("bqm,hmn,bkn->bhqk", x, attn.QK.AB, x)
+        scale = s_qkv[..., 0, 0][:, None, :, None] * s_qkv[..., 0, 0][:, None, None, :]
+        torch.testing.assert_close(bilinear / scale, torch.einsum("bqhd,bkhd->bhqk", q, k), **close)
+        torch.testing.assert_close(attn.OV.AB, attn.W_V.AB @ attn.W_O.AB, **close)
+        # The experts: token t's pre-activations are expert floor(t·G/T)'s, zero elsewhere.
+        y = cache[f"layers.{layer}.mlp_norm_output"]
+        every = torch.einsum("bsd,gdw->bsgw", y, mlp.W_in)
+        own = torch.nn.functional.one_hot(mlp.expert_index(tokens.shape[1]), experts)[None, :, :, None]
+        torch.testing.assert_close((every * own).flatten(-2), cache["pre", layer], **close)
+        torch.testing.assert_close(cache["post", layer] @ mlp.W_out.flatten(0, 1), cache["mlp_out", layer], **close)
+        assert mlp.W_in.shape == (experts, model.cfg.d_model, width)
+    s_head = cache["lm_head.norm.norm_scale"]
+    readout = (cache["final_norm_output"] @ model.W_U.A) @ model.W_U.B / s_head + model.b_U
+    torch.testing.assert_close(readout, logits, **close)
+    torch.testing.assert_close(cache["hook_pos_embed"][0], model.W_pos[: tokens.shape[1]], rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------- the cache's helpers
 def test_decompositions_sum_to_the_stream_they_decompose(run):
     model, _, _, cache = run
@@ -191,7 +248,8 @@ def test_decompositions_sum_to_the_stream_they_decompose(run):
         torch.testing.assert_close(cache.get_full_resid_decomposition(layer, mlp_input=True).sum(0),
                                    cache["resid_mid", layer], **close)
         heads = cache.stack_head_results(layer + 1)[layer * model.cfg.n_heads:]
-        torch.testing.assert_close(heads.sum(0), cache["attn_out", layer], **close)
+        torch.testing.assert_close(heads.sum(0) + model.blocks[layer].attn.out_bias(), cache["attn_out", layer],
+                                   **close)
         neurons = cache.stack_neuron_results(layer + 1)[layer * model.cfg.d_mlp:]
         torch.testing.assert_close(neurons.sum(0), cache["mlp_out", layer], **close)
     accumulated = cache.accumulated_resid(incl_mid=True)
@@ -238,11 +296,12 @@ def test_direct_logit_attribution_sums_to_the_logit_difference(run):
     stack = cache.decompose_resid(pos_slice=-1)
     attrs = cache.logit_attrs(stack, 4, pos_slice=-1)
     torch.testing.assert_close(attrs.sum(0) + cache.readout_bias_attrs(4, pos_slice=-1), logits[:, -1, 4], **close)
-    # The projected fast path of get_full_resid_decomposition agrees.
+    # The projected fast path of get_full_resid_decomposition agrees (divided by the readout's
+    # frozen scale, which logit_attrs applies itself).
     direction = model.tokens_to_residual_directions(3) - model.tokens_to_residual_directions(5)
     projected = cache.get_full_resid_decomposition(apply_ln=True, project_output_onto=direction)
-    torch.testing.assert_close(projected.sum(0) + cache.readout_bias_attrs(3, 5), logits[..., 3] - logits[..., 5],
-                               **close)
+    torch.testing.assert_close(projected.sum(0) / cache.readout_scale() + cache.readout_bias_attrs(3, 5),
+                               logits[..., 3] - logits[..., 5], **close)
 
 
 def test_logit_lens_and_accumulated_resid_reach_the_models_logits(run):
@@ -264,7 +323,7 @@ def test_run_with_cache_incl_bwd_gives_the_gradients(tl_model):
     def keep(tensor, hook):
         kept[hook.name] = tensor
 
-    keys = "layers.0.self_attn.attention_keys_unrotated"
+    keys, _ = model.resolve_hook_name("blocks.0.attn.hook_k")  # before rotary, where there is one
     loss2 = model.run_with_hooks(tokens, return_type="loss", fwd_hooks=[("layers.1.layer_input", keep), (keys, keep)])
     grads = torch.autograd.grad(loss2, [kept["layers.1.layer_input"], kept[keys]])
     grads = grads[0], model.hook_dict[keys].value.to_tl(grads[1])  # [batch pos kv_head d_head]
@@ -330,4 +389,5 @@ def test_center_unembed_keeps_the_distribution(tl_model):
         model.center_unembed()
         after = model(tokens).log_softmax(-1)
     torch.testing.assert_close(after, before, **close)
-    torch.testing.assert_close(model.W_U.mean(-1), torch.zeros(model.cfg.d_model), rtol=0, atol=1e-6)
+    w_u = model.W_U if isinstance(model.W_U, torch.Tensor) else model.W_U.AB
+    torch.testing.assert_close(w_u.mean(-1), torch.zeros(model.cfg.d_model), rtol=0, atol=1e-6)

@@ -47,3 +47,4 @@ def test_fold_ln_unties_a_tied_head_and_exports_it(hf_arcee_factory, tmp_path, t
     torch.testing.assert_close(model.W_E, embedding, rtol=0, atol=0)
     ours, theirs = logits_of_export(model, tmp_path)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
