@@ -13,6 +13,30 @@ class HookWriteError(ValueError):
     """A hook returned something that cannot replace the value it was given."""
 
 
+class UnknownHookError(KeyError, ValueError):
+    """A hook name the model does not have. A KeyError, as TransformerLens raises for a missing name,
+    and a ValueError, as every other bad argument here; the message suggests the nearest names."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # KeyError's str() would quote the whole message
+
+
+def check_hook_write(out: Any, given: torch.Tensor, name: str, value: Value) -> None:
+    """Raise HookWriteError unless `out` can replace `given`, the value `name` carries."""
+    if value.read_only:
+        raise HookWriteError(
+            f"hook on {name} returned a tensor, but {value.name} is read-only "
+            f"({value.meaning}); return None from a hook that only reads it"
+        )
+    if not isinstance(out, torch.Tensor):
+        raise HookWriteError(f"hook on {name} returned {type(out).__name__}, expected a tensor or None")
+    if out.shape != given.shape or out.dtype != given.dtype:
+        raise HookWriteError(
+            f"hook on {name} returned shape {tuple(out.shape)} {out.dtype}, but the value it "
+            f"replaces is {tuple(given.shape)} {given.dtype}"
+        )
+
+
 class ValueHook(HookPoint):
     """A HookPoint for one standard value.
 
@@ -54,19 +78,7 @@ class _CheckedHook:
         out = self.fn(tensor, hook=hook)
         if out is None:
             return None
-        name = getattr(hook, "name", None) or self.point.name
-        if self.point.value.read_only:
-            raise HookWriteError(
-                f"hook on {name!r} returned a tensor, but {self.point.value.name} is read-only "
-                f"({self.point.value.meaning}); return None from a hook that only reads it"
-            )
-        if not isinstance(out, torch.Tensor):
-            raise HookWriteError(f"hook on {name!r} returned {type(out).__name__}, expected a tensor or None")
-        if out.shape != tensor.shape or out.dtype != tensor.dtype:
-            raise HookWriteError(
-                f"hook on {name!r} returned shape {tuple(out.shape)} {out.dtype}, but the value it "
-                f"replaces is {tuple(tensor.shape)} {tensor.dtype}"
-            )
+        check_hook_write(out, tensor, repr(getattr(hook, "name", None) or self.point.name), self.point.value)
         return out
 
 

@@ -7,6 +7,7 @@ maps the second onto the first: one HookPoint per value, an alias is only a seco
 """
 
 import difflib
+import re
 from functools import partial
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from transformer_lens.utilities import Slice
 from hooked_models.cache import HookedActivationCache
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.generation import GenerationMixin
-from hooked_models.hooks import HookedModule, ValueHook
+from hooked_models.hooks import HookedModule, UnknownHookError, ValueHook, check_hook_write
 from hooked_models.transformer_lens_compat import TransformerLensModel
 from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
 
@@ -38,8 +39,13 @@ class _AliasHook:
         return repr(self.fn)
 
     def __call__(self, tensor: Tensor, *, hook: HookPoint):
-        out = self.fn(self.value.to_tl(tensor), hook=_AliasedHookPoint(self.alias, hook))
-        return self.value.from_tl(out) if isinstance(out, Tensor) else out
+        given = self.value.to_tl(tensor)
+        out = self.fn(given, hook=_AliasedHookPoint(self.alias, hook))
+        if out is None:
+            return None
+        # Checked in the layout the user saw, before einops could fail on a wrong shape.
+        check_hook_write(out, given, f"{self.alias!r} (standard name {hook.name!r})", self.value)
+        return self.value.from_tl(out)
 
 
 class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
@@ -84,10 +90,27 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             canonical = self.aliases[name]
             value = self.hook_dict[canonical].value
             return canonical, value if value.tl_layout else None
-        known = list(self.hook_dict) + list(self.aliases)
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise KeyError(f"no hook named {name!r} on {type(self).__name__}{hint}")
+        raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
+
+    def _name_hint(self, name: str) -> str:
+        """The nearest standard or TransformerLens names, compared with the layer index set aside, so
+        a typo in layer 3 suggests layer 3's names and a TransformerLens shorthand suggests its hook."""
+        layered = re.compile(r"^(layers|blocks)\.(\d+)\.")
+        names = list(self.hook_dict) + list(self.aliases)
+        num_layers = 1 + max((int(m.group(2)) for n in names if (m := layered.match(n))), default=-1)
+        templates = list(dict.fromkeys(layered.sub(r"\1.{i}.", n) for n in names))
+        match = layered.match(name)
+        if match and int(match.group(2)) >= num_layers:
+            return f": layer {match.group(2)} is out of range, the model has {num_layers} layers (0 to {num_layers - 1})"
+        layer = match.group(2) if match else "0"
+        query = layered.sub(r"\1.{i}.", name)
+        close = difflib.get_close_matches(query, templates, n=3, cutoff=0.6)
+        if not close and "." not in name:
+            # A bare TransformerLens hook ("resid_pre", "hook_z"): match it against the last part of each name.
+            tails = {t.rpartition(".")[2].removeprefix("hook_"): t for t in templates}
+            close = [tails[t] for t in difflib.get_close_matches(name.removeprefix("hook_"), tails, n=3, cutoff=0.75)]
+        close = [c.replace("{i}", layer) for c in close]
+        return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
     def hook_names(self, name: str) -> list[str]:
         """Every name a HookPoint answers to: its standard name first, then its aliases."""
@@ -237,10 +260,14 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
                                  "drop logits_to_keep")
             extra["logits_to_keep"] = logits_to_keep
         tokens = self.input_ids(tokens)
+        if self.input_ids.has_hooks():  # a hook may have written ids the embedding cannot look up
+            self._check_token_ids(tokens, "a hook on input_ids wrote token id")
         if attention_mask is None and self.attention_mask.has_hooks():
             attention_mask = torch.ones_like(tokens)
         if attention_mask is not None:
             attention_mask = self.attention_mask(attention_mask)
+            if self.attention_mask.has_hooks():
+                self._check_mask_values(attention_mask, "a hook on attention_mask wrote a mask that")
         if self.input_size.has_hooks():
             self.input_size(torch.tensor(tuple(tokens.shape)))
         logits = self.logits(self._logits(tokens, attention_mask, **extra))
@@ -300,20 +327,34 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
         if tokens.numel() == 0:
             raise ValueError(f"tokens are empty (shape {tuple(tokens.shape)}); give at least one token")
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high >= self.cfg.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        self._check_token_ids(tokens, "token id")
         if tokens.shape[1] > self.max_positions:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's {self.max_positions} positions")
         if attention_mask is not None:
             if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(tokens.shape):
                 shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
                 raise ValueError(f"attention_mask has shape {shape}, but the tokens are {tuple(tokens.shape)}")
+            self._check_mask_values(attention_mask, "attention_mask")
             if bool((attention_mask.sum(-1) == 0).any()):
                 raise ValueError("attention_mask has a row with no real token (all zeros)")
-            attention_mask = attention_mask.to(tokens.device)
+            attention_mask = attention_mask.to(device=tokens.device, dtype=torch.long)  # bool and float masks too
         return tokens, attention_mask
+
+    def _check_token_ids(self, tokens: Tensor, what: str) -> Tensor:
+        # Checked here because nn.Embedding's IndexError (or a device assert on GPU) names neither.
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{what} {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return tokens
+
+    @staticmethod
+    def _check_mask_values(mask: Tensor, what: str) -> Tensor:
+        # Any other value would be read as "real" by some consumers and as a weight by others.
+        bad = mask[(mask != 0) & (mask != 1)]
+        if bad.numel():
+            raise ValueError(f"{what} must hold only 0 (padding) and 1 (real token), found {bad[0].item()}")
+        return mask
 
     # ---------------------------------------------------------------------------------- tokens
     def _require_tokenizer(self):

@@ -49,8 +49,11 @@ def convert_arcee_config(hf: dict) -> ArceeConfig:
     """A transformers Arcee config (config.json as a dict) -> ArceeConfig.
 
     Refuses a model_type other than "arcee", an activation other than relu2, biases, a rope type
-    other than default or yarn, and any field it does not know, naming the field.
+    other than default or yarn, sizes that are not positive integers, fields that contradict each
+    other, and any field it does not know, naming the field.
     """
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"the config is a JSON {type(hf).__name__}, not an object of fields")
     model_type = hf.get("model_type")
     if model_type != "arcee":
         raise CheckpointError(f"model_type is {model_type!r}; HookedArcee loads model_type 'arcee' only")
@@ -65,6 +68,10 @@ def convert_arcee_config(hf: dict) -> ArceeConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"{flag} is true; Arcee checkpoints have no biases and none are supported")
+    _check_sizes(hf)
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise CheckpointError(f"layer_types {sorted(layer_types)}: only full attention is supported (no sliding window)")
     heads = hf["num_attention_heads"]
     return ArceeConfig(
         num_layers=hf["num_hidden_layers"],
@@ -85,17 +92,48 @@ def convert_arcee_config(hf: dict) -> ArceeConfig:
     )
 
 
+def _check_sizes(hf: dict) -> None:
+    """Sizes must be positive integers: a string or a zero would otherwise fail deep inside torch."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = hf.get(name)
+        if value is None and name not in _SHAPE_FIELDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{name} is {value!r}; it must be a positive integer")
+    eps = hf.get("rms_norm_eps", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise CheckpointError(f"rms_norm_eps is {eps!r}; it must be a number in (0, 1)")
+
+
 def convert_rope(hf: dict) -> RopeConfig:
     """Rotary parameters from either spelling: `rope_parameters` (transformers 5) or `rope_scaling`
     with a top-level `rope_theta` (older files, AFM-4.5B's own config.json)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    given = {k: hf[k] for k in ("rope_parameters", "rope_scaling") if hf.get(k)}
+    for key, value in given.items():
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{key} is {value!r}, not an object of fields")
+    spellings = [{("rope_type" if k == "type" else k): v for k, v in p.items()} for p in given.values()]
+    if len(spellings) == 2:
+        clash = sorted(k for k in set(spellings[0]) & set(spellings[1]) if spellings[0][k] != spellings[1][k])
+        if clash:
+            raise CheckpointError(f"rope_parameters and rope_scaling disagree on {clash}: "
+                                  f"{given['rope_parameters']} against {given['rope_scaling']}")
+    params = dict(next(iter(given.values()), {}))
+    if "rope_theta" in params and "rope_theta" in hf and params["rope_theta"] != hf["rope_theta"]:
+        raise CheckpointError(f"rope_theta is {hf['rope_theta']} at the top level but {params['rope_theta']} "
+                              "in the rope parameters")
     unknown = sorted(set(params) - _ROPE_FIELDS)
     if unknown:
         raise CheckpointError(f"rope parameter(s) {unknown} are not understood by the Arcee converter")
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = _rope_type(params)
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"rope_type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    for name, value in (("rope_theta", theta), ("factor", params.get("factor", 1.0)),
+                        ("original_max_position_embeddings", params.get("original_max_position_embeddings", 1))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise CheckpointError(f"rope {name} is {value!r}; it must be a positive number")
     if rope_type == "default":
         return RopeConfig("default", theta=float(theta))
     return RopeConfig(
@@ -111,6 +149,10 @@ def convert_rope(hf: dict) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=params.get("truncate", True),
     )
+
+
+def _rope_type(params) -> str:
+    return params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else params
 
 
 def convert_arcee_name(name: str) -> str:
@@ -204,7 +246,12 @@ def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=N
                           progress: bool | None = None) -> HookedArcee:
     """From an HF directory: config.json, safetensors shards (or a weights-only pickle), tokenizer."""
     directory = resolve_checkpoint_dir(path_or_id)
-    cfg = convert_arcee_config(read_json(directory / "config.json"))
+    config_path = directory / "config.json"
+    config = read_json(config_path)
+    try:
+        cfg = convert_arcee_config(config)
+    except ValueError as error:  # CheckpointError, or ArceeConfig's own checks: name the file
+        raise CheckpointError(f"{config_path}: {error}") from None
     dtype = dtype or cfg.dtype
     device = device or "cpu"
     cfg.dtype = dtype

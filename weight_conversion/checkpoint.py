@@ -9,6 +9,7 @@ import json
 import math
 import os
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -86,14 +87,18 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({error})") from None
                 yield name, tensor
         return
-    # Pickles only through weights_only=True: nothing in a checkpoint may run code.
+    # Pickles only through weights_only=True: nothing in a checkpoint may run code. mmap needs
+    # torch.save's zip format; an older plain pickle is read whole, through the same restricted unpickler.
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as error:
         raise CheckpointError(f"{path} cannot be loaded with torch.load(weights_only=True): {error}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict")
-    yield from state.items()
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{path}: entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        yield name, tensor
 
 
 def safetensors_metadata(path: Path) -> dict[str, str]:
@@ -125,11 +130,14 @@ def stream_into(
     `rename(source)` gives the hooked name of a source tensor, or raises KeyError for a tensor the
     model has no place for. Each tensor is checked against the target's shape, cast, moved and
     assigned before the next is read, so at most one source tensor is held beside the model.
-    Raises CheckpointError on an unexpected, mis-shaped or missing tensor; warns on NaN or inf.
+    Raises CheckpointError on an unexpected, mis-shaped, non-float, repeated or missing tensor;
+    warns on NaN or inf.
     """
     expected = {name: p.shape for name, p in model.named_parameters()}
-    filled: set[str] = set()
+    filled: dict[str, str] = {}
+    files: dict[str, None] = {}
     for file, source, tensor in tensors:
+        files[str(file)] = None
         if skip(source):
             continue
         try:
@@ -138,21 +146,27 @@ def stream_into(
             raise CheckpointError(f"{file}: unexpected tensor {source!r}, which this model has no place for") from None
         if target not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {source!r} (would be {target!r})")
+        if target in filled:
+            raise CheckpointError(f"{file}: tensor {source!r} appears twice (first in {filled[target]})")
         if tuple(tensor.shape) != tuple(expected[target]):
             raise CheckpointError(
                 f"{file}: tensor {source!r} has shape {tuple(tensor.shape)}, but the config makes "
                 f"{target!r} {tuple(expected[target])}"
             )
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            warnings.warn(f"{file}: tensor {source!r} has NaN or inf values", stacklevel=3)
+        # A quantized or integer tensor cast to float would load without complaint and compute nonsense.
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{file}: tensor {source!r} has dtype {tensor.dtype}; weights must be floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            warnings.warn(f"{file}: tensor {source!r} has {bad} NaN or inf values", stacklevel=3)
         assign_tensor(model, target, tensor.to(device=device, dtype=dtype))
-        filled.add(target)
+        filled[target] = str(file)
         if progress is not None:
             progress.update(tensor.numel() * tensor.element_size())
     missing = [name for name in expected if name not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"the checkpoint is missing tensors: {shown}")
+        raise CheckpointError(f"the checkpoint ({', '.join(files) or 'no tensors'}) has no tensor for: {shown}")
 
 
 def checkpoint_bytes(files: list[Path]) -> int:

@@ -1,0 +1,337 @@
+"""Bad input gets a clear error, and nothing is left behind (issue 8).
+
+Every bad input is a ValueError that names the value and the limit, through the forward,
+run_with_cache and run_with_hooks alike; a bad hook is named with both shapes; an unknown hook name
+gets the nearest names; and no failing run, however it fails, leaves a hook attached or memory held.
+"""
+
+import gc
+import tracemalloc
+
+import pytest
+import torch
+
+from hooked_models import ArceeConfig, HookedArcee
+from hooked_models.hooks import HookWriteError, UnknownHookError
+
+VOCAB, MAX_POSITIONS = 23, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run several times faster on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny random HookedArcee: errors do not need the oracle, only a model that runs."""
+    torch.manual_seed(0)
+    cfg = ArceeConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, vocab_size=VOCAB,
+                      intermediate_size=24, max_position_embeddings=MAX_POSITIONS)
+    return HookedArcee(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model1():
+    """The same with one layer, for the test that runs a thousand times."""
+    torch.manual_seed(0)
+    cfg = ArceeConfig(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=VOCAB,
+                      intermediate_size=8, max_position_embeddings=MAX_POSITIONS)
+    return HookedArcee(cfg).eval()
+
+
+def tokens(batch=2, seq=6, seed=0):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def read(x, hook):
+    return None
+
+
+def attached_hooks(model) -> int:
+    """Hooks at both levels: TransformerLens's handles and PyTorch's own hook dicts."""
+    return sum(len(p.fwd_hooks) + len(p.bwd_hooks) + len(p._forward_hooks) + len(p._backward_hooks)
+               for p in model.hook_dict.values())
+
+
+def assert_clean(model):
+    assert attached_hooks(model) == 0
+    assert model.context_level == 0
+    assert not model.is_caching
+
+
+# ------------------------------------------------------------------------------------------- inputs
+BAD_INPUTS = {
+    "id past the vocabulary": (dict(input=torch.tensor([[1, VOCAB]])), [f"token id {VOCAB}", f"[0, {VOCAB})"]),
+    "negative id": (dict(input=torch.tensor([[-3, 1]])), ["token id -3", f"[0, {VOCAB})"]),
+    "empty sequence": (dict(input=torch.zeros(1, 0, dtype=torch.long)), ["empty", "(1, 0)"]),
+    "empty batch": (dict(input=torch.zeros(0, 4, dtype=torch.long)), ["empty", "(0, 4)"]),
+    "empty list": (dict(input=[]), ["token tensor", "list"]),
+    "float tokens": (dict(input=tokens().float()), ["integer ids", "torch.float32"]),
+    "bool tokens": (dict(input=tokens() > 3), ["integer ids", "torch.bool"]),
+    "1-D tokens": (dict(input=tokens()[0]), ["2-D [batch seq]", "(6,)"]),
+    "3-D tokens": (dict(input=tokens()[None]), ["2-D [batch seq]", "(1, 2, 6)"]),
+    "past max_position_embeddings": (dict(input=torch.zeros(1, MAX_POSITIONS + 1, dtype=torch.long)),
+                                     [f"{MAX_POSITIONS + 1}", f"{MAX_POSITIONS} positions"]),
+    "mask of the wrong shape": (dict(input=tokens(), attention_mask=torch.ones(2, 5, dtype=torch.long)),
+                                ["attention_mask has shape (2, 5)", "(2, 6)"]),
+    "1-D mask": (dict(input=tokens(), attention_mask=torch.ones(6, dtype=torch.long)),
+                 ["attention_mask has shape (6,)", "(2, 6)"]),
+    "mask that is not 0/1": (dict(input=tokens(), attention_mask=torch.full((2, 6), 2)), ["only 0", "found 2"]),
+    "fractional mask": (dict(input=tokens(), attention_mask=torch.full((2, 6), 0.5)), ["only 0", "found 0.5"]),
+    "mask row with no token": (dict(input=tokens(), attention_mask=torch.tensor([[1] * 6, [0] * 6])),
+                               ["no real token"]),
+    "text without a tokenizer": (dict(input="hello"), ["no tokenizer"]),
+}
+
+
+@pytest.mark.parametrize("call", ["forward", "run_with_cache", "run_with_hooks"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_a_clear_value_error(model, case, call):
+    kwargs, fragments = BAD_INPUTS[case]
+    kwargs = dict(kwargs)
+    args = (kwargs.pop("input"),)
+    run = {
+        "forward": lambda: model(*args, **kwargs),
+        "run_with_cache": lambda: model.run_with_cache(*args, **kwargs),
+        "run_with_hooks": lambda: model.run_with_hooks(*args, fwd_hooks=[("blocks.0.hook_resid_pre", read)],
+                                                       **kwargs),
+    }[call]
+    with pytest.raises(ValueError) as info:  # an IndexError or RuntimeError from torch would not match
+        run()
+    assert info.type is ValueError, f"{info.type.__name__}: {info.value}"
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert_clean(model)
+
+
+def test_good_masks_are_accepted_in_every_spelling(model):
+    t = tokens()
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        expected = model(t, attention_mask=mask)
+        for spelling in (mask.bool(), mask.float(), mask.int()):
+            torch.testing.assert_close(model(t, attention_mask=spelling), expected, rtol=0, atol=0)
+        # The limit itself is allowed: max_position_embeddings positions exactly.
+        assert model(torch.zeros(1, MAX_POSITIONS, dtype=torch.long)).shape == (1, MAX_POSITIONS, VOCAB)
+
+
+def test_a_hook_that_writes_ids_outside_the_vocabulary_is_refused(model):
+    with pytest.raises(ValueError, match=rf"a hook on input_ids wrote token id {VOCAB} .*\[0, {VOCAB}\)"):
+        model.run_with_hooks(tokens(), fwd_hooks=[("input_ids", lambda x, hook: torch.full_like(x, VOCAB))])
+    with pytest.raises(ValueError, match="a hook on attention_mask wrote a mask that must hold only 0"):
+        model.run_with_hooks(tokens(), fwd_hooks=[("attention_mask", lambda x, hook: x * 3)])
+    assert_clean(model)
+
+
+# -------------------------------------------------------------------------------------------- hooks
+WRONG_WRITES = [
+    # (hook name, what the hook returns, the name(s) the error must give, the shapes it must give)
+    ("layers.0.layer_input", lambda x, hook: x[:, :-1], ["'layers.0.layer_input'"], ["(2, 5, 16)", "(2, 6, 16)"]),
+    ("blocks.0.hook_resid_pre", lambda x, hook: x[:, :-1], ["'blocks.0.hook_resid_pre'", "'layers.0.layer_input'"],
+     ["(2, 5, 16)", "(2, 6, 16)"]),
+    ("layers.1.mlp.mlp_neurons", lambda x, hook: x.double(), ["'layers.1.mlp.mlp_neurons'"],
+     ["(2, 6, 24) torch.float64", "(2, 6, 24) torch.float32"]),
+    ("blocks.1.mlp.hook_post", lambda x, hook: x.half(), ["'blocks.1.mlp.hook_post'"],
+     ["torch.float16", "torch.float32"]),
+    # TransformerLens's layout [batch pos head d_head] is what the alias's user saw, so the shapes are in it.
+    ("blocks.0.attn.hook_q", lambda x, hook: x[..., :-1],
+     ["'blocks.0.attn.hook_q'", "'layers.0.self_attn.attention_queries_unrotated'"], ["(2, 6, 4, 3)", "(2, 6, 4, 4)"]),
+    # A wrong number of dimensions must not reach einops, whose error would name neither.
+    ("blocks.0.attn.hook_z", lambda x, hook: x[0], ["'blocks.0.attn.hook_z'"], ["(6, 4, 4)", "(2, 6, 4, 4)"]),
+    ("layers.0.self_attn.attention_keys", lambda x, hook: torch.cat([x, x], 1),
+     ["'layers.0.self_attn.attention_keys'"], ["(2, 4, 6, 4)", "(2, 2, 6, 4)"]),
+    ("logits", lambda x, hook: x[..., :3], ["'logits'"], ["(2, 6, 3)", f"(2, 6, {VOCAB})"]),
+]
+
+
+@pytest.mark.parametrize("name, write, names, shapes", WRONG_WRITES, ids=[w[0] for w in WRONG_WRITES])
+@pytest.mark.parametrize("call", ["run_with_hooks", "hooks", "run_with_cache"])
+def test_a_wrong_write_names_the_hook_and_both_shapes(model, name, write, names, shapes, call):
+    with pytest.raises(HookWriteError) as info:
+        if call == "run_with_hooks":
+            model.run_with_hooks(tokens(), fwd_hooks=[(name, write)])
+        elif call == "hooks":
+            with model.hooks(fwd_hooks=[(name, write)]):
+                model(tokens())
+        else:
+            with model.hooks(fwd_hooks=[(name, write)]):
+                model.run_with_cache(tokens())
+    assert isinstance(info.value, ValueError)
+    for fragment in names + shapes:
+        assert fragment in str(info.value)
+    assert_clean(model)
+
+
+@pytest.mark.parametrize("name", ["input_size", "next_token_probs"])
+def test_writing_a_read_only_value_is_refused(model, name):
+    with pytest.raises(HookWriteError, match=rf"'{name}'.*read-only"):
+        model.run_with_hooks(tokens(), fwd_hooks=[(name, lambda x, hook: x.clone())])
+    assert_clean(model)
+
+
+def test_a_hook_returning_a_non_tensor_is_refused(model):
+    with pytest.raises(HookWriteError, match=r"'blocks.1.hook_resid_post'.*returned list"):
+        model.run_with_hooks(tokens(), fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: [x])])
+
+
+UNKNOWN_NAMES = [
+    # (unknown name, what the error must suggest)
+    ("blocks.1.hook_resid_pr", "'blocks.1.hook_resid_pre'"),
+    ("blocks.0.attn.hook_patern", "'blocks.0.attn.hook_pattern'"),
+    ("layers.1.self_attn.attention_query", "'layers.1.self_attn.attention_queries'"),
+    ("layers.0.mlp.mlp_neuron", "'layers.0.mlp.mlp_neurons'"),
+    ("layers.0.mlp.hook_post", "'blocks.0.mlp.hook_post'"),  # a standard path with a TL hook name
+    ("ln_final.hook_scal", "'ln_final.hook_scale'"),
+    ("logit", "'logits'"),
+    ("resid_pre", "'blocks.0.hook_resid_pre'"),  # a bare TransformerLens shorthand
+    ("hook_attn_out", "'blocks.0.hook_attn_out'"),
+    ("blocks.7.hook_resid_pre", "layer 7 is out of range, the model has 2 layers (0 to 1)"),
+    ("layers.2.layer_output", "layer 2 is out of range"),
+]
+
+
+@pytest.mark.parametrize("name, suggestion", UNKNOWN_NAMES, ids=[u[0] for u in UNKNOWN_NAMES])
+def test_an_unknown_name_suggests_the_nearest(model, name, suggestion):
+    for attempt in (
+        lambda: model.run_with_hooks(tokens(), fwd_hooks=[(name, read)]),
+        lambda: model.run_with_cache(tokens(), names_filter=[name]),
+        lambda: model.add_hook(name, read),
+        lambda: model.resolve_hook_name(name),
+    ):
+        with pytest.raises(UnknownHookError) as info:
+            attempt()
+        assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
+        assert f"no hook named {name!r}" in str(info.value)
+        assert suggestion in str(info.value), str(info.value)
+        assert_clean(model)
+
+
+def test_the_cache_suggests_names_too(model):
+    _, cache = model.run_with_cache(tokens())
+    with pytest.raises(KeyError, match=r"did you mean 'blocks.1.hook_resid_post'"):
+        cache["blocks.1.hook_resid_pots"]
+
+
+# ------------------------------------------------------------------------------------------ cleanup
+def fail_in_hook(x, hook):
+    raise RuntimeError("the user's hook failed")
+
+
+FAILING_RUNS = {
+    "hook raised": lambda m: m.run_with_hooks(tokens(), fwd_hooks=[("blocks.0.hook_resid_pre", read),
+                                                                   ("blocks.0.hook_mlp_out", fail_in_hook)]),
+    "second name unknown": lambda m: m.run_with_hooks(tokens(), fwd_hooks=[("blocks.0.hook_resid_pre", read),
+                                                                           ("blocks.0.hook_nope", read)]),
+    "filter raised after a name attached": lambda m: m.run_with_hooks(
+        tokens(), fwd_hooks=[("logits", read), (lambda name: name.nope, read)]),
+    "forward raised (bad tokens)": lambda m: m.run_with_hooks(torch.tensor([[VOCAB]]),
+                                                              fwd_hooks=[("blocks.0.hook_resid_pre", read)]),
+    "wrong write": lambda m: m.run_with_hooks(tokens(), fwd_hooks=[("blocks.0.attn.hook_z", lambda x, hook: x[0])]),
+    "cache, forward raised": lambda m: m.run_with_cache(tokens(), attention_mask=torch.ones(3, 3)),
+    "cache, second name unknown": lambda m: m.run_with_cache(tokens(), names_filter=["logits", "logitz"]),
+    "cache with a hook that raised": lambda m: _cache_inside_hooks(m),
+    "hooks(), body raised": lambda m: _hooks_body_raises(m),
+    "hooks(), second name unknown": lambda m: _hooks_second_unknown(m),
+}
+
+
+def _cache_inside_hooks(m):
+    with m.hooks(fwd_hooks=[("blocks.0.ln1.hook_scale", fail_in_hook)]):
+        m.run_with_cache(tokens())
+
+
+def _hooks_body_raises(m):
+    with m.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", read), ("blocks.0.attn.hook_pattern", read)]):
+        m(tokens())
+        raise RuntimeError("the user's code failed")
+
+
+def _hooks_second_unknown(m):
+    with m.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", read), ("blocks.9.hook_resid_pre", read)]):
+        pass
+
+
+@pytest.mark.parametrize("case", list(FAILING_RUNS))
+def test_a_failing_run_leaves_nothing_behind(model, case):
+    with torch.no_grad():
+        before = model(tokens())
+    permanent = []
+    model.add_hook("blocks.1.hook_resid_mid", lambda x, hook: permanent.append(1), is_permanent=True)
+    try:
+        with pytest.raises((ValueError, RuntimeError, AttributeError)):
+            FAILING_RUNS[case](model)
+        # Only the user's permanent hook is left, and it still fires.
+        assert attached_hooks(model) == 2  # one TransformerLens handle + the PyTorch hook under it
+        assert model.context_level == 0 and not model.is_caching
+        with torch.no_grad():
+            after = model(tokens())
+        assert permanent
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+    finally:
+        model.reset_hooks(including_permanent=True)
+    assert_clean(model)
+
+
+def test_a_thousand_failing_runs_leave_no_hook_and_no_memory(model1):
+    """Each kind of failure, over and over: hooks, Python objects, live tensors and traced memory
+    stay where they were."""
+    kinds = list(FAILING_RUNS.values())
+
+    def fail(i):
+        try:
+            kinds[i % len(kinds)](model1)
+        except (ValueError, RuntimeError, AttributeError):
+            pass
+        else:
+            raise AssertionError("the run should have failed")
+
+    def census():
+        gc.collect()
+        objects = gc.get_objects()
+        return len(objects), sum(type(o) in (torch.Tensor, torch.nn.Parameter) for o in objects)
+
+    with torch.no_grad():
+        for i in range(50):  # warm up: lazily built tables, interned strings, the allocator
+            fail(i)
+        objects_before, tensors_before = census()
+        for i in range(900):
+            fail(i)
+        # tracemalloc slows every allocation several times: trace the last 100 runs only.
+        tracemalloc.start()
+        try:
+            gc.collect()
+            start, _ = tracemalloc.get_traced_memory()
+            for i in range(100):
+                fail(i)
+            gc.collect()
+            end, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        objects_after, tensors_after = census()
+    assert_clean(model1)
+    assert tensors_after == tensors_before
+    # A leaked hook, handle, frame or cache entry per run would add thousands of objects.
+    assert objects_after - objects_before < 100, f"{objects_after - objects_before} objects more after 1000 runs"
+    assert end - start < 32 * 1024, f"memory grew by {end - start} bytes over 100 failing runs"
+
+
+def test_the_leak_measure_can_fail(model):
+    """The same measure sees a leak of one small hook per run (so the test above is not vacuous)."""
+    tracemalloc.start()
+    try:
+        start, _ = tracemalloc.get_traced_memory()
+        for _ in range(100):
+            model.add_hook("logits", lambda x, hook: None)
+        end, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        leaked = attached_hooks(model)
+        model.reset_hooks()
+    assert leaked == 200 and end - start > 32 * 1024
+    assert_clean(model)
+
