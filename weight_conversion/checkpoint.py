@@ -166,7 +166,7 @@ def stream_into(
     missing = [name for name in expected if name not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"the checkpoint ({', '.join(files) or 'no tensors'}) has no tensor for: {shown}")
+        raise CheckpointError(f"the checkpoint ({', '.join(files) or 'no tensors'}) is missing tensors: {shown}")
 
 
 def checkpoint_bytes(files: list[Path]) -> int:
