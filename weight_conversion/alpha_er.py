@@ -233,7 +233,10 @@ def load_alpha_er_checkpoint(path, dtype: torch.dtype | None = None, device=None
     file = _weight_file(Path(path))
     if file.suffix != ".safetensors" and file.suffix not in _TORCH_SUFFIXES:
         raise CheckpointError(f"{file} is neither .safetensors nor a torch file ({', '.join(_TORCH_SUFFIXES)})")
-    cfg = _checkpoint_config(file)
+    try:
+        cfg = _checkpoint_config(file)
+    except CheckpointError as error:  # name the file, whichever of its fields was at fault
+        raise CheckpointError(error if str(file) in str(error) else f"{file}: {error}") from None
     return _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu")
 
 

@@ -43,11 +43,14 @@ def resolve_checkpoint_dir(path_or_id: str | os.PathLike) -> Path:
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(content).__name__}, not an object of fields")
+    return content
 
 
 def weight_files(directory: Path) -> list[Path]:
