@@ -151,15 +151,18 @@ class TransformerLensModel:
     def W_pos(self) -> Tensor:
         raise AttributeError(f"{type(self).__name__} has rotary positions, so no learned W_pos")
 
-    def _stack_blocks(self, path: str) -> Tensor:
-        """A weight view of every block, stacked along a new leading layer axis (a copy)."""
-        tensors = []
+    def _stack_blocks(self, path: str) -> Tensor | FactoredMatrix:
+        """A weight view of every block, stacked along a new leading layer axis (a copy); factored
+        weights (alpha-er) stack factor by factor."""
+        views = []
         for block in self.blocks:
             obj = block
             for part in path.split("."):
                 obj = getattr(obj, part)
-            tensors.append(obj)
-        return torch.stack(tensors)
+            views.append(obj)
+        if isinstance(views[0], FactoredMatrix):
+            return FactoredMatrix(torch.stack([v.A for v in views]), torch.stack([v.B for v in views]))
+        return torch.stack(views)
 
     W_Q = property(lambda self: self._stack_blocks("attn.W_Q"))
     W_K = property(lambda self: self._stack_blocks("attn.W_K"))
@@ -168,15 +171,10 @@ class TransformerLensModel:
     W_in = property(lambda self: self._stack_blocks("mlp.W_in"))
     W_out = property(lambda self: self._stack_blocks("mlp.W_out"))
 
-    @property
-    def QK(self) -> FactoredMatrix:
-        """[layer head hidden_size hidden_size], kv heads expanded to query heads."""
-        return FactoredMatrix(self._stack_blocks("attn.QK.A"), self._stack_blocks("attn.QK.B"))
-
-    @property
-    def OV(self) -> FactoredMatrix:
-        """[layer head hidden_size hidden_size], kv heads expanded to query heads."""
-        return FactoredMatrix(self._stack_blocks("attn.OV.A"), self._stack_blocks("attn.OV.B"))
+    QK = property(lambda self: self._stack_blocks("attn.QK"), doc="[layer head hidden_size hidden_size], "
+                  "kv heads expanded to query heads (a FactoredMatrix)")
+    OV = property(lambda self: self._stack_blocks("attn.OV"), doc="[layer head hidden_size hidden_size], "
+                  "kv heads expanded to query heads (a FactoredMatrix)")
 
     # -------------------------------------------------------------------- residual directions
     def tokens_to_residual_directions(self, tokens) -> Tensor:

@@ -103,6 +103,9 @@ def test_aliases_in_add_hook_hooks_and_names_filter(run):
             _, small = model.run_with_cache(tokens, names_filter=names_filter)
         assert set(small.keys()) == {"layers.0.self_attn.attention_probabilities", "norm.norm_scale"}
         torch.testing.assert_close(small["pattern", 0], cache["pattern", 0], rtol=0, atol=0)
+    with torch.no_grad():
+        _, every = model.run_with_cache(tokens, names_filter=list(model.aliases))
+    assert set(every.keys()) == set(model.aliases.values())
 
 
 def test_pos_slice_slices_each_values_own_position_axis(run):
@@ -216,6 +219,9 @@ def test_alpha_er_weights_are_the_factored_projections_with_frozen_scales(tl_mod
         scale = s_qkv[..., 0, 0][:, None, :, None] * s_qkv[..., 0, 0][:, None, None, :]
         torch.testing.assert_close(bilinear / scale, torch.einsum("bqhd,bkhd->bhqk", q, k), **close)
         torch.testing.assert_close(attn.OV.AB, attn.W_V.AB @ attn.W_O.AB, **close)
+        torch.testing.assert_close(model.OV.AB[layer], attn.OV.AB, **close)
+        torch.testing.assert_close(model.W_Q.AB[layer], attn.W_Q.AB, **close)
+        torch.testing.assert_close(model.W_in[layer], mlp.W_in)
         # The experts: token t's pre-activations are expert floor(t·G/T)'s, zero elsewhere.
         y = cache[f"layers.{layer}.mlp_norm_output"]
         every = torch.einsum("bsd,gdw->bsgw", y, mlp.W_in)
@@ -391,3 +397,20 @@ def test_center_unembed_keeps_the_distribution(tl_model):
     torch.testing.assert_close(after, before, **close)
     w_u = model.W_U if isinstance(model.W_U, torch.Tensor) else model.W_U.AB
     torch.testing.assert_close(w_u.mean(-1), torch.zeros(model.cfg.d_model), rtol=0, atol=1e-6)
+
+
+def test_dla_on_a_batchless_cache_and_a_batch_slice(tl_model):
+    """remove_batch_dim (head results then computed from a batchless z) and apply_slice_to_batch_dim
+    keep this cache's class and its exact attributions."""
+    model = tl_model
+    tokens = tokens_for(model)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens[:1], remove_batch_dim=True, names_filter=lambda n: "result" not in n)
+        attrs = cache.logit_attrs(cache.get_full_resid_decomposition(), 3, 5, has_batch_dim=False)
+        torch.testing.assert_close(attrs.sum(0) + cache.readout_bias_attrs(3, 5), logits[0, :, 3] - logits[0, :, 5],
+                                   **close)
+        logits, cache = model.run_with_cache(tokens)
+        one = cache.apply_slice_to_batch_dim(1)
+    assert type(one) is type(cache) and not one.has_batch_dim
+    attrs = one.logit_attrs(one.decompose_resid(), 3, 5, has_batch_dim=False)
+    torch.testing.assert_close(attrs.sum(0) + one.readout_bias_attrs(3, 5), logits[1, :, 3] - logits[1, :, 5], **close)
