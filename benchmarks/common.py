@@ -1,0 +1,88 @@
+"""Shared pieces of the benchmarks: the benchmark model's shape, random non-trivial weights, and an
+interleaved timer (each round runs every contender once, so drifting machine load hits all alike)."""
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def bench_args(description: str) -> argparse.Namespace:
+    """The benchmark shape: an 8-layer, 1024-wide GQA Arcee, batch 4 x 256, float32 (issue #7)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def hf_arcee_config(args, attn_implementation: str = "sdpa"):
+    from transformers import ArceeConfig
+
+    config = ArceeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "factor": 20.0, "original_max_position_embeddings": 256,
+                         "rope_theta": 10000.0},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights, norm weights spread around 1 (as tests/conftest.py's `randomize_`)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(noise / max(p.shape[-1], 1) ** 0.5)
+    return model
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, tuple[float, float]]:
+    """Median (CPU seconds, wall seconds) per call of each contender, run in turn within each round.
+
+    CPU time of this process is the figure to compare on a shared machine: other processes stretch
+    the wall clock but not it (run with --threads 1 for the steadiest ratios).
+    """
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    for round_ in range(warmup + rounds):
+        for name, fn in contenders.items():
+            gc.collect()
+            cpu, wall = time.process_time(), time.perf_counter()
+            out = fn()
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            del out
+            if round_ >= warmup:
+                times[name].append((cpu, wall))
+    return {name: (statistics.median(c for c, _ in ts), statistics.median(w for _, w in ts))
+            for name, ts in times.items()}
+
+
+def report(title: str, medians: dict[str, tuple[float, float]], baseline: str, target: str = "") -> None:
+    print(f"\n{title}" + (f"  (target: {target})" if target else ""))
+    base_cpu, base_wall = medians[baseline]
+    for name, (cpu, wall) in medians.items():
+        print(f"  {name:<40} cpu {cpu * 1000:9.1f} ms  {cpu / base_cpu:5.3f}x   "
+              f"wall {wall * 1000:9.1f} ms  {wall / base_wall:5.3f}x")
