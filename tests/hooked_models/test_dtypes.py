@@ -1,0 +1,67 @@
+"""Half precision against transformers: the same operations in the same order give the same logits.
+
+Both sides are loaded from the same checkpoint with `from_pretrained(dtype=...)`, as a user would
+(transformers then keeps its rotary frequencies in float32; `.to(bfloat16)` on a built model would
+round them, which is a different model). Our fused path calls the kernel transformers' "sdpa"
+attention calls, our explicit path (taken when scores are hooked) mirrors its "eager" one, softmax
+in float32, and the norms compute in float32 as `LlamaRMSNorm` does.
+"""
+
+import pytest
+import torch
+from transformers import ArceeForCausalLM
+
+from hooked_models import HookedArcee
+
+# A fraction of one unit in the last place of each dtype at the logits' scale: far below what a
+# different kernel or operation order gives (bf16: ~1e-2, fp16: ~2e-3 on these models).
+TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1.5e-4}
+
+
+def _checkpoint(tmp_path, hf_arcee_factory) -> str:
+    path = tmp_path / "arcee"
+    hf_arcee_factory(seed=2).save_pretrained(path)
+    return str(path)
+
+
+def rel_error(actual, expected) -> float:
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_match_transformers(tmp_path, hf_arcee_factory, dtype):
+    path = _checkpoint(tmp_path, hf_arcee_factory)
+    model = HookedArcee.from_pretrained(path, dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    ids = torch.randint(3, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # left padding on one row
+    score_hooks = [(f"layers.{i}.self_attn.attention_scores", lambda t, hook: None)
+                   for i in range(model.cfg.num_layers)]
+    for implementation, run in [("sdpa", lambda m: m(ids, attention_mask=mask)),
+                                ("eager", lambda m: m.run_with_hooks(ids, attention_mask=mask, fwd_hooks=score_hooks))]:
+        hf = ArceeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=implementation).eval()
+        with torch.no_grad():
+            # Our positions count from each row's first real token; transformers' from 0 unless told.
+            expected = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            actual = run(model)
+        assert actual.dtype == dtype
+        real = mask.bool()
+        assert rel_error(actual[real], expected[real]) <= TOLERANCE[dtype], implementation
+
+
+def test_norms_and_softmax_compute_in_float32(tiny_hf_arcee):
+    """A bfloat16 model's norm scale and attention pattern come from float32 arithmetic: the scale is
+    float32 itself, and the pattern is the float32 softmax of the scores, rounded once."""
+    model = HookedArcee.from_hf(tiny_hf_arcee, dtype=torch.bfloat16)
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(ids)
+    scale = cache["layers.0.input_layernorm.norm_scale"]
+    assert scale.dtype == torch.float32
+    resid = cache["layers.0.layer_input"].float()
+    torch.testing.assert_close(scale, (resid.pow(2).mean(-1, keepdim=True) + model.cfg.rms_norm_eps).sqrt())
+    pattern = cache["layers.0.self_attn.attention_probabilities"]
+    scores = cache["layers.0.self_attn.attention_scores"]
+    assert pattern.dtype == scores.dtype == torch.bfloat16
+    assert torch.equal(pattern, torch.softmax(scores.float(), dim=-1).to(torch.bfloat16))
