@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hooked_models.devices import cuda_devices, parameter_placement, spread_layers
 from hooked_models.components.rotary import ROPE_TYPES, RopeConfig
 from hooked_models.families.arcee import ArceeConfig, HookedArcee
 from weight_conversion.checkpoint import (
@@ -221,30 +222,44 @@ def _build_on_meta(cfg: ArceeConfig) -> HookedArcee:
         return HookedArcee(cfg)
 
 
-def _finish(model: HookedArcee, dtype: torch.dtype, device) -> HookedArcee:
+def _placement(cfg: ArceeConfig, device, n_devices: int | None):
+    """(where each parameter goes, the devices) for `device`, or for layers spread over n_devices GPUs."""
+    if n_devices is None:
+        return device, None
+    devices = cuda_devices(n_devices, device)
+    return parameter_placement(cfg.num_layers, devices), devices
+
+
+def _finish(model: HookedArcee, dtype: torch.dtype, device, devices=None) -> HookedArcee:
     model.tie_weights()
-    model.cfg.dtype, model.cfg.device = dtype, torch.device(device)
+    model.cfg.dtype, model.cfg.device = dtype, torch.device(device if devices is None else devices[0])
+    if devices is not None:
+        spread_layers(model, devices)  # the weights are in place already; this adds the residual's moves
     model.setup()
     return model.eval()
 
 
-def load_from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None) -> HookedArcee:
-    """From an in-memory `ArceeForCausalLM`; the weights are copied."""
+def load_from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None,
+                       n_devices: int | None = None) -> HookedArcee:
+    """From an in-memory `ArceeForCausalLM`; the weights are copied. `n_devices` spreads the layers
+    over that many GPUs from `device` (cuda:0 by default), as TransformerLens does."""
     cfg = convert_arcee_config(hf_model.config.to_dict())
     first = next(hf_model.parameters())
     dtype = dtype or first.dtype
-    device = device or first.device
+    device = device or (first.device if n_devices is None else None)
     cfg.dtype = dtype
+    placement, devices = _placement(cfg, device, n_devices)
     model = _build_on_meta(cfg)
     state = convert_arcee_state_dict(hf_model.state_dict(), cfg)
     triples = ((type(hf_model).__name__, name, tensor.detach().clone()) for name, tensor in state.items())
-    stream_into(model, triples, rename=lambda name: name, dtype=dtype, device=device)
-    return _finish(model, dtype, device)
+    stream_into(model, triples, rename=lambda name: name, dtype=dtype, device=placement)
+    return _finish(model, dtype, device, devices)
 
 
 def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=None,
-                          progress: bool | None = None) -> HookedArcee:
-    """From an HF directory: config.json, safetensors shards (or a weights-only pickle), tokenizer."""
+                          progress: bool | None = None, n_devices: int | None = None) -> HookedArcee:
+    """From an HF directory: config.json, safetensors shards (or a weights-only pickle), tokenizer.
+    With `n_devices`, each tensor streams straight to its layer's GPU."""
     directory = resolve_checkpoint_dir(path_or_id)
     config_path = directory / "config.json"
     config = read_json(config_path)
@@ -253,8 +268,9 @@ def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=N
     except ValueError as error:  # CheckpointError, or ArceeConfig's own checks: name the file
         raise CheckpointError(f"{config_path}: {error}") from None
     dtype = dtype or cfg.dtype
-    device = device or "cpu"
+    device = device or ("cpu" if n_devices is None else None)
     cfg.dtype = dtype
+    placement, devices = _placement(cfg, device, n_devices)
     files = weight_files(directory)
     model = _build_on_meta(cfg)
     if progress is None:
@@ -263,10 +279,11 @@ def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=N
     triples = ((file, name, tensor) for file in files for name, tensor in iter_tensors(file))
     skip = lambda name: is_derived_arcee_tensor(name) or (cfg.tie_word_embeddings and name == "lm_head.weight")  # noqa: E731
     try:
-        stream_into(model, triples, rename=convert_arcee_name, dtype=dtype, device=device, skip=skip, progress=bar)
+        stream_into(model, triples, rename=convert_arcee_name, dtype=dtype, device=placement, skip=skip,
+                    progress=bar)
     finally:
         bar.close()
-    model = _finish(model, dtype, device)
+    model = _finish(model, dtype, device, devices)
     model.tokenizer = load_tokenizer(directory)
     return model
 

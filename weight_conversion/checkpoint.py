@@ -130,6 +130,9 @@ def stream_into(
 ) -> None:
     """Fill every parameter of a meta-device `model` from (file, source name, tensor) triples.
 
+    `device` is one device, or a function of the hooked name giving each parameter's device
+    (layers spread over several GPUs: `hooked_models.devices.parameter_placement`).
+
     `rename(source)` gives the hooked name of a source tensor, or raises KeyError for a tensor the
     model has no place for. Each tensor is checked against the target's shape, cast, moved and
     assigned before the next is read, so at most one source tensor is held beside the model.
@@ -159,10 +162,11 @@ def stream_into(
         # A quantized or integer tensor cast to float would load without complaint and compute nonsense.
         if not tensor.is_floating_point():
             raise CheckpointError(f"{file}: tensor {source!r} has dtype {tensor.dtype}; weights must be floating point")
-        if not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        bad = count_nonfinite(tensor)
+        if bad:
             warnings.warn(f"{file}: tensor {source!r} has {bad} NaN or inf values", stacklevel=3)
-        assign_tensor(model, target, tensor.to(device=device, dtype=dtype))
+        target_device = device(target) if callable(device) else device
+        assign_tensor(model, target, tensor.to(device=target_device, dtype=dtype))
         filled[target] = str(file)
         if progress is not None:
             progress.update(tensor.numel() * tensor.element_size())
@@ -170,6 +174,13 @@ def stream_into(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"the checkpoint ({', '.join(files) or 'no tensors'}) is missing tensors: {shown}")
+
+
+def count_nonfinite(tensor: torch.Tensor, chunk: int = 1 << 24) -> int:
+    """How many NaN or inf values `tensor` holds, checked in chunks: a boolean mask of a whole
+    128k x 2560 embedding would be 330 MB beside the weights, at the loader's peak."""
+    flat = tensor.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
 def checkpoint_bytes(files: list[Path]) -> int:

@@ -178,21 +178,25 @@ class HookedArcee(HookedModel):
         return self.lm_head_output(self.lm_head(x))
 
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype | None = None, device=None) -> "HookedArcee":
-        """From an in-memory transformers `ArceeForCausalLM` (its weights are copied)."""
+    def from_hf(cls, hf_model, dtype: torch.dtype | None = None, device=None,
+                n_devices: int | None = None) -> "HookedArcee":
+        """From an in-memory transformers `ArceeForCausalLM` (its weights are copied). `n_devices`
+        spreads the layers over that many GPUs in contiguous groups, as TransformerLens does."""
         from weight_conversion.arcee import load_from_hf_model
 
-        return load_from_hf_model(hf_model, dtype=dtype, device=device)
+        return load_from_hf_model(hf_model, dtype=dtype, device=device, n_devices=n_devices)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                        progress: bool | None = None) -> "HookedArcee":
+                        progress: bool | None = None, n_devices: int | None = None) -> "HookedArcee":
         """From an HF checkpoint directory (config.json, one or many safetensors shards, tokenizer),
         or a Hub id already in the local HF cache (offline). Streams shard by shard into a model
-        built on the meta device, so peak memory stays near one copy of the weights."""
+        built on the meta device, so peak memory stays near one copy of the weights. `n_devices`
+        spreads the layers over cuda:0..n-1 (from `device`) in contiguous groups, as TransformerLens
+        does; the residual stream moves between them."""
         from weight_conversion.arcee import load_arcee_checkpoint
 
-        return load_arcee_checkpoint(path_or_id, dtype=dtype, device=device, progress=progress)
+        return load_arcee_checkpoint(path_or_id, dtype=dtype, device=device, progress=progress, n_devices=n_devices)
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
         """Write an HF checkpoint (config.json + safetensors) that `ArceeForCausalLM` loads."""

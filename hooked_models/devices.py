@@ -1,0 +1,113 @@
+"""Spreading a model's layers over several devices, as TransformerLens's `n_devices` does.
+
+Layers go in contiguous groups: layer i of L on device i·n // L (TransformerLens's
+`utilities.multi_gpu.get_device_for_block_index`), the embeddings with the first layer, the final
+norm and the head with the last. The residual stream follows the layers: each placed module moves
+the tensors it is given to its own device before it runs (a forward pre-hook, as accelerate's
+dispatch does), so the families' forwards need no device logic and a single-device model pays nothing.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+Device = torch.device | str
+
+
+def layer_device(index: int, num_layers: int, devices: Sequence[Device]) -> torch.device:
+    """The device of layer `index`: contiguous groups, TransformerLens's rule."""
+    return torch.device(devices[index * len(devices) // num_layers])
+
+
+def cuda_devices(n_devices: int, device: Device | None = None) -> list[torch.device]:
+    """cuda:k ... cuda:k+n-1 from `device` (cuda:0 by default), checked against what is visible."""
+    if not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"n_devices must be a positive integer, got {n_devices!r}")
+    first = torch.device(device if device is not None else "cuda")
+    if n_devices > 1 and first.type != "cuda":
+        raise ValueError(f"n_devices={n_devices} spreads layers over CUDA devices, but device is {first}")
+    if first.type != "cuda":
+        return [first]
+    start = first.index or 0
+    visible = torch.cuda.device_count()
+    if start + n_devices > visible:
+        raise ValueError(f"n_devices={n_devices} from cuda:{start} needs cuda:{start}..cuda:{start + n_devices - 1}, "
+                         f"but {visible} CUDA device(s) are visible")
+    return [torch.device("cuda", start + i) for i in range(n_devices)]
+
+
+def parameter_placement(num_layers: int, devices: Sequence[Device]) -> Callable[[str], torch.device]:
+    """name -> device for every parameter of a model whose layers are `layers.{i}`: layers by index,
+    everything else (embeddings, final norm, head) with the first or last layer as it is read."""
+    first, last = layer_device(0, num_layers, devices), layer_device(num_layers - 1, num_layers, devices)
+
+    def device_of(name: str) -> torch.device:
+        if name.startswith("layers."):
+            return layer_device(int(name.split(".")[1]), num_layers, devices)
+        return first if name.startswith("embed") else last
+
+    return device_of
+
+
+def spread_layers(model: nn.Module, devices: Sequence[Device]) -> nn.Module:
+    """Place `model`'s parameters by `parameter_placement` and let the residual stream follow.
+
+    Moves what is not yet on its device (a loader that streamed each tensor to its device moves
+    nothing), then adds the pre-hooks that carry activations across. Tied weights stay one tensor,
+    on the device of the first module that owns them (the embedding); the head then reads the
+    residual there. Returns the model, with `cfg.device` the first device.
+    """
+    if not devices:
+        raise ValueError("devices is empty; give at least one device")
+    num_layers = len(model.layers)
+    device_of = parameter_placement(num_layers, devices)
+    for name, module in model.named_modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            full = f"{name}.{leaf}" if name else leaf
+            target = device_of(full)
+            if param.device != target:
+                module._parameters[leaf] = nn.Parameter(param.data.to(target), requires_grad=param.requires_grad)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for handle in getattr(model, "_device_hooks", []):
+        handle.remove()
+    handles = [model.register_forward_pre_hook(_MoveInputs(layer_device(0, num_layers, devices)), with_kwargs=True)]
+    placed = [*model.layers, *(m for n, m in model.named_children() if n not in ("layers",) and _has_params(m))]
+    for module in placed:
+        device = next(module.parameters()).device
+        handles.append(module.register_forward_pre_hook(_MoveInputs(device), with_kwargs=True))
+    model._device_hooks = handles
+    if hasattr(model, "cfg"):
+        model.cfg.device = torch.device(devices[0])
+    return model
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+class _MoveInputs:
+    """A forward pre-hook moving every tensor argument (and tensor fields of dataclass arguments,
+    such as AttentionInputs' mask, cos and sin) to one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, module, args, kwargs):
+        return tuple(to_device(a, self.device) for a in args), {k: to_device(v, self.device) for k, v in kwargs.items()}
+
+
+def to_device(value, device: torch.device):
+    """`value` with its tensors on `device`: a tensor, a dataclass's tensor fields, or as it is."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)
+                   if isinstance(getattr(value, f.name), torch.Tensor)}
+        moved = {k: v for k, v in changes.items() if v is not getattr(value, k)}
+        return dataclasses.replace(value, **moved) if moved else value
+    return value
