@@ -124,6 +124,18 @@ class TransformerLensModel:
         bias = getattr(self.unembed, "bias", None)
         return bias if bias is not None else self.W_E.new_zeros(self.cfg.d_vocab)
 
+    @property
+    def W_E_pos(self) -> Float[Tensor, "vocab_and_positions hidden_size"]:
+        """[W_E; W_pos], the input basis of TransformerLens's full circuits (a copy); models with
+        learned positions only."""
+        return torch.cat([self.W_E, self.W_pos])
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """TransformerLens's switch for per-head results. Here `hook_result` is computed whenever
+        something hooks or caches it (and costs nothing otherwise), so there is nothing to switch;
+        kept so that scripts calling it run unchanged."""
+        self.cfg_use_attn_result = bool(use_attn_result)
+
     # The readout, for direct logit attribution: a family whose head is not linear (alpha-er's
     # bottleneck LayerNorm) names the scale that freezes it and overrides these.
     readout_scale_name: str | None = None

@@ -233,6 +233,7 @@ def test_alpha_er_weights_are_the_factored_projections_with_frozen_scales(tl_mod
     readout = (cache["final_norm_output"] @ model.W_U.A) @ model.W_U.B / s_head + model.b_U
     torch.testing.assert_close(readout, logits, **close)
     torch.testing.assert_close(cache["hook_pos_embed"][0], model.W_pos[: tokens.shape[1]], rtol=0, atol=0)
+    torch.testing.assert_close(model.W_E_pos[model.cfg.d_vocab + 2], model.W_pos[2], rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------- the cache's helpers
@@ -264,6 +265,7 @@ def test_decompositions_sum_to_the_stream_they_decompose(run):
 
 def test_head_results_are_computed_from_z_when_not_cached(run):
     model, tokens, _, cache = run
+    model.set_use_attn_result(True)  # TransformerLens scripts call it; hook_result is there either way
     with torch.no_grad():
         _, partial = model.run_with_cache(tokens, names_filter=lambda name: "result" not in name)
     assert "blocks.0.attn.hook_result" not in partial
