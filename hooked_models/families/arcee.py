@@ -193,10 +193,15 @@ class HookedArcee(HookedModel):
         or a Hub id already in the local HF cache (offline). Streams shard by shard into a model
         built on the meta device, so peak memory stays near one copy of the weights. `n_devices`
         spreads the layers over cuda:0..n-1 (from `device`) in contiguous groups, as TransformerLens
-        does; the residual stream moves between them."""
+        does; the residual stream moves between them.
+
+        `"embedded"` names the small IOI model shipped in the package (`hooked_models.embedded`),
+        an HF directory loaded by the same code."""
+        from hooked_models.embedded import resolve_embedded
         from weight_conversion.arcee import load_arcee_checkpoint
 
-        return load_arcee_checkpoint(path_or_id, dtype=dtype, device=device, progress=progress, n_devices=n_devices)
+        return load_arcee_checkpoint(resolve_embedded(path_or_id, "arcee"), dtype=dtype, device=device,
+                                     progress=progress, n_devices=n_devices)
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
         """Write an HF checkpoint (config.json + safetensors) that `ArceeForCausalLM` loads."""

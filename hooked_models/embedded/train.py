@@ -1,0 +1,148 @@
+"""Train the embedded models on the IOI task and write them into the package.
+
+    python -m hooked_models.embedded.train                 # both families, into hooked_models/embedded/
+    python -m hooked_models.embedded.train --family arcee --out /tmp/arcee
+
+Plain PyTorch on the hooked model's own forward: the loss is the model's next-token loss over the
+prompt plus the cross-entropy of the answer at the last position. Seeded and single-process on
+2 CPU threads, so a rerun writes the same weights and reports the same accuracy.
+"""
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hooked_models.components import RopeConfig
+from hooked_models.embedded import EMBEDDED_DIR
+from hooked_models.embedded.task import PROMPT_LENGTH, build_tokenizer, logit_difference, make_ioi_prompts
+from hooked_models.families.arcee import ArceeConfig, HookedArcee
+
+TRAIN_SEED_BASE = 1_000_000  # step k draws its batch with seed TRAIN_SEED_BASE + k; evaluation uses small seeds
+EVAL_SEED = 7
+
+
+def embedded_arcee_config(vocab_size: int) -> ArceeConfig:
+    """A 2-layer AFM in miniature: GQA (4 query heads over 2 key/value heads) and YaRN, as AFM-4.5B."""
+    return ArceeConfig(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=vocab_size,
+        intermediate_size=256, max_position_embeddings=4 * PROMPT_LENGTH,
+        rope=RopeConfig("yarn", theta=10000.0, factor=4.0, original_max_position_embeddings=PROMPT_LENGTH),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, model_name="embedded-arcee",
+    )
+
+
+@dataclass
+class TrainSettings:
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    seed: int = 0
+
+
+def init_weights_(model: torch.nn.Module, seed: int) -> None:
+    """GPT-2's init: normal(0, 0.02) for matrices and embeddings, norms at 1."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+
+
+@torch.no_grad()
+def evaluate(model, n: int = 2000, seed: int = EVAL_SEED, tokenizer=None) -> dict[str, float]:
+    """Accuracy (logit of the indirect object above the subject's), top-1 accuracy over the whole
+    vocabulary, and the mean logit difference, on `n` freshly drawn prompts."""
+    prompts = make_ioi_prompts(n, seed, tokenizer)
+    was_training = model.training
+    model.eval()
+    logits = model(prompts.clean_tokens)
+    model.train(was_training)
+    diff = logit_difference(logits, prompts)
+    return {
+        "accuracy": float((diff > 0).float().mean()),
+        "top1_accuracy": float((logits[:, -1].argmax(-1) == prompts.correct).float().mean()),
+        "mean_logit_diff": float(diff.mean()),
+    }
+
+
+def train(model, tokenizer, settings: TrainSettings, log_every: int = 100) -> dict:
+    """Train `model` in place; return the held-out metrics and the wall time."""
+    torch.manual_seed(settings.seed)
+    init_weights_(model, settings.seed)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.98))
+    # Linear warmup, then cosine decay to a tenth.
+    schedule = lambda step: min(1.0, (step + 1) / settings.warmup) * (  # noqa: E731
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / settings.steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model.train()
+    start = time.perf_counter()
+    for step in range(settings.steps):
+        prompts = make_ioi_prompts(settings.batch_size, TRAIN_SEED_BASE + settings.seed * settings.steps + step,
+                                   tokenizer)
+        logits, lm_loss = model(prompts.clean_tokens, return_type="both")
+        answer_loss = F.cross_entropy(logits[:, -1].float(), prompts.correct)
+        loss = lm_loss + answer_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if log_every and (step % log_every == 0 or step == settings.steps - 1):
+            print(f"step {step:5d}  lm_loss {lm_loss.item():.3f}  answer_loss {answer_loss.item():.3f}", flush=True)
+    wall = time.perf_counter() - start
+    model.eval()
+    metrics = evaluate(model, tokenizer=tokenizer)
+    return {**metrics, "train_seconds": round(wall, 1), "steps": settings.steps,
+            "batch_size": settings.batch_size, "lr": settings.lr, "seed": settings.seed}
+
+
+def train_arcee(out: Path, settings: TrainSettings) -> dict:
+    """Train the embedded HookedArcee and save it as an HF directory (config, safetensors, tokenizer)."""
+    tokenizer = build_tokenizer()
+    model = HookedArcee(embedded_arcee_config(len(tokenizer)))
+    metrics = train(model, tokenizer, settings)
+    model.tokenizer = tokenizer
+    model.save_pretrained(str(out))
+    return metrics
+
+
+FAMILIES = {"arcee": train_arcee}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=[*FAMILIES, "all"], default="all")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (with --family all: one subdirectory per family); "
+                             f"default: the package's own {EMBEDDED_DIR}")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: each family's own)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 (the default) gives the same weights on any machine")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    for family in families:
+        out = (args.out or EMBEDDED_DIR) / family if (args.out is None or args.family == "all") else args.out
+        settings = TrainSettings(seed=args.seed)
+        if args.steps is not None:
+            settings.steps = args.steps
+        metrics = FAMILIES[family](out, settings)
+        metrics["threads"] = args.threads
+        (out / "training.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        print(f"{family}: {json.dumps(metrics)} -> {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The shipped models load through the real loaders and still do the task they were trained on."""
+
+import pytest
+import torch
+from transformers import ArceeForCausalLM, AutoTokenizer
+
+from hooked_models import HookedArcee
+from hooked_models.embedded import EMBEDDED_DIR, embedded_checkpoint
+from hooked_models.embedded.task import build_tokenizer, logit_difference, make_ioi_prompts
+
+# Measured when training (hooked_models/embedded/*/training.json: accuracy 1.0, mean logit
+# difference ~14 on 2000 prompts); the thresholds leave room, the test prompts are freshly drawn.
+MIN_ACCURACY = 0.98
+MIN_MEAN_LOGIT_DIFF = 8.0
+HELD_OUT_SEED = 20261129  # the training batches use seeds from 1_000_000 up to 1_001_000
+
+
+@pytest.fixture(scope="module")
+def arcee():
+    return HookedArcee.from_pretrained("embedded")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_ioi_prompts(400, HELD_OUT_SEED)
+
+
+def test_embedded_name_loads_the_shipped_directory(arcee):
+    direct = HookedArcee.from_pretrained(EMBEDDED_DIR / "arcee")
+    assert embedded_checkpoint("arcee") == EMBEDDED_DIR / "arcee"
+    for (name, p), (_, q) in zip(arcee.named_parameters(), direct.named_parameters()):
+        assert torch.equal(p, q), name
+    assert not arcee.training
+    assert arcee.cfg.num_kv_heads < arcee.cfg.num_heads and arcee.cfg.rope.rope_type == "yarn"
+    with pytest.raises(FileNotFoundError, match="no embedded nonesuch checkpoint"):
+        embedded_checkpoint("nonesuch")
+
+
+def test_shipped_tokenizer_is_the_task_tokenizer(arcee, prompts):
+    shipped = AutoTokenizer.from_pretrained(str(EMBEDDED_DIR / "arcee"), local_files_only=True)
+    assert shipped.get_vocab() == build_tokenizer().get_vocab() == arcee.tokenizer.get_vocab()
+    assert arcee.to_single_token(" Mary") == shipped.convert_tokens_to_ids(" Mary")
+    text = prompts.clean_text[:5]
+    assert torch.equal(arcee.to_tokens(text), prompts.clean_tokens[:5])
+    assert arcee.to_string(prompts.clean_tokens[0, 1:]) == text[0]
+
+
+def test_transformers_loads_the_same_model(arcee, prompts):
+    hf = ArceeForCausalLM.from_pretrained(str(EMBEDDED_DIR / "arcee")).eval()
+    with torch.no_grad():
+        expected = hf(prompts.clean_tokens[:64]).logits
+        torch.testing.assert_close(arcee(prompts.clean_tokens[:64]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_arcee_does_ioi_on_held_out_prompts(arcee, prompts):
+    with torch.no_grad():
+        clean = logit_difference(arcee(prompts.clean_tokens), prompts)
+        corrupted = logit_difference(arcee(prompts.corrupted_tokens), prompts)
+    assert (clean > 0).float().mean() >= MIN_ACCURACY
+    assert clean.mean() >= MIN_MEAN_LOGIT_DIFF
+    # Moving the repeated name flips the answer: the model reads which name is repeated.
+    assert (corrupted < 0).float().mean() >= MIN_ACCURACY
+    assert corrupted.mean() <= -MIN_MEAN_LOGIT_DIFF

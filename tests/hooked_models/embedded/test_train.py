@@ -1,0 +1,28 @@
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from hooked_models import HookedArcee
+from hooked_models.embedded import train
+
+
+def test_training_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path):
+    # A few steps only: the full run is `python -m hooked_models.embedded.train`.
+    for run in ("first", "second"):
+        train.main(["--family", "arcee", "--out", str(tmp_path / run), "--steps", "3"])
+    first, second = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("first", "second"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    metrics = json.loads((tmp_path / "first" / "training.json").read_text())
+    assert metrics["steps"] == 3 and 0.0 <= metrics["accuracy"] <= 1.0
+
+    model = HookedArcee.from_pretrained(tmp_path / "first")
+    assert model.tokenizer is not None
+    # The optimizer moved the weights away from the seeded initialization.
+    init = HookedArcee(train.embedded_arcee_config(model.cfg.vocab_size))
+    train.init_weights_(init, seed=0)
+    assert not torch.equal(model.embed_tokens.weight, init.embed_tokens.weight)
+    assert (model.layers[0].input_layernorm.weight != 1).any()
+    # The reported metrics are those of the checkpoint written.
+    assert train.evaluate(model) == {k: metrics[k] for k in ("accuracy", "top1_accuracy", "mean_logit_diff")}
