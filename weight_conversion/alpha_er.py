@@ -22,6 +22,7 @@ from hooked_models.families.alpha_er import REFERENCE_FIELDS, AlphaErConfig, Hoo
 from weight_conversion.checkpoint import (
     CheckpointError,
     iter_tensors,
+    load_tokenizer,
     read_json,
     safetensors_metadata,
     stream_into,
@@ -229,7 +230,8 @@ def _tensors(file: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 def load_alpha_er_checkpoint(path, dtype: torch.dtype | None = None, device=None) -> HookedAlphaEr:
     """From a safetensors file (config in its header or a config.json beside it), a torch state-dict
-    file with a config.json beside it, or a directory holding one of them."""
+    file with a config.json beside it, or a directory holding one of them. Tokenizer files beside
+    the weights (tokenizer.json, ...) become `model.tokenizer`."""
     file = _weight_file(Path(path))
     if file.suffix != ".safetensors" and file.suffix not in _TORCH_SUFFIXES:
         raise CheckpointError(f"{file} is neither .safetensors nor a torch file ({', '.join(_TORCH_SUFFIXES)})")
@@ -237,14 +239,16 @@ def load_alpha_er_checkpoint(path, dtype: torch.dtype | None = None, device=None
         cfg = _checkpoint_config(file)
     except CheckpointError as error:  # name the file, whichever of its fields was at fault
         raise CheckpointError(error if str(file) in str(error) else f"{file}: {error}") from None
-    return _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu")
+    model = _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu")
+    model.tokenizer = load_tokenizer(file.parent)
+    return model
 
 
 def save_alpha_er_checkpoint(model: HookedAlphaEr, path) -> None:
     """The reference's format: one safetensors file, the config fields as JSON strings in its header.
 
     A path ending in .safetensors is that file; any other is a directory that gets model.safetensors
-    and a config.json with the same fields.
+    and a config.json with the same fields. The model's tokenizer, if any, is saved beside the file.
     """
     path = Path(path)
     config = reference_config_dict(model.cfg)
@@ -259,3 +263,5 @@ def save_alpha_er_checkpoint(model: HookedAlphaEr, path) -> None:
     metadata = {"format": "pt", "model_type": MODEL_TYPE, **{name: json.dumps(value) for name, value in fields.items()}}
     state = {name: tensor.detach().contiguous() for name, tensor in hooked_to_reference_state_dict(model).items()}
     save_file(state, str(file), metadata=metadata)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(file.parent))

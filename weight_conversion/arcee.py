@@ -20,6 +20,7 @@ from weight_conversion.checkpoint import (
     CheckpointError,
     checkpoint_bytes,
     iter_tensors,
+    load_tokenizer,
     read_json,
     resolve_checkpoint_dir,
     save_sharded,
@@ -286,15 +287,6 @@ def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=N
     model = _finish(model, dtype, device, devices)
     model.tokenizer = load_tokenizer(directory)
     return model
-
-
-def load_tokenizer(directory: Path):
-    """The checkpoint's tokenizer when its files are there, else None."""
-    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def save_arcee_checkpoint(model: HookedArcee, path, max_shard_size: int | str = "5GB") -> None:

@@ -183,6 +183,15 @@ def count_nonfinite(tensor: torch.Tensor, chunk: int = 1 << 24) -> int:
     return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
+def load_tokenizer(directory: Path):
+    """The tokenizer whose files sit in `directory` (tokenizer.json, ...), else None. Offline."""
+    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
 def checkpoint_bytes(files: list[Path]) -> int:
     return sum(f.stat().st_size for f in files)
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from hooked_models.components import RopeConfig
 from hooked_models.embedded import EMBEDDED_DIR
 from hooked_models.embedded.task import PROMPT_LENGTH, build_tokenizer, logit_difference, make_ioi_prompts
+from hooked_models.families.alpha_er import AlphaErConfig, HookedAlphaEr
 from hooked_models.families.arcee import ArceeConfig, HookedArcee
 
 TRAIN_SEED_BASE = 1_000_000  # step k draws its batch with seed TRAIN_SEED_BASE + k; evaluation uses small seeds
@@ -37,6 +38,17 @@ def embedded_arcee_config(vocab_size: int) -> ArceeConfig:
     )
 
 
+def embedded_alpha_er_config(vocab_size: int) -> AlphaErConfig:
+    """A 2-layer alpha-er in miniature: rank-32 factored projections, 4 experts of width 64.
+
+    block_size is the prompt length, so each expert owns a 4-token window of every prompt (a
+    longer block would put a whole prompt in expert 0's window)."""
+    return AlphaErConfig(
+        vocab_size=vocab_size, block_size=PROMPT_LENGTH, n_layer=2, n_embd=64, n_head=4, ffn_dim=256,
+        mlp_experts=4, lm_head_rank=32, attn_rank=32, model_name="embedded-alpha-er",
+    )
+
+
 @dataclass
 class TrainSettings:
     steps: int = 1000
@@ -48,12 +60,15 @@ class TrainSettings:
 
 
 def init_weights_(model: torch.nn.Module, seed: int) -> None:
-    """GPT-2's init: normal(0, 0.02) for matrices and embeddings, norms at 1."""
+    """GPT-2's init: normal(0, 0.02) for matrices, experts and embeddings; norm weights 1, biases 0.
+    (Modules built for loading leave their matrices uninitialized.)"""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+            else:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
 
 
 @torch.no_grad()
@@ -117,7 +132,18 @@ def train_arcee(out: Path, settings: TrainSettings) -> dict:
     return metrics
 
 
-FAMILIES = {"arcee": train_arcee}
+def train_alpha_er(out: Path, settings: TrainSettings) -> dict:
+    """Train the embedded HookedAlphaEr and save it in the reference's format: one safetensors file
+    with the config in its header (no config.json), the tokenizer beside it."""
+    tokenizer = build_tokenizer()
+    model = HookedAlphaEr(embedded_alpha_er_config(len(tokenizer)))
+    metrics = train(model, tokenizer, settings)
+    model.tokenizer = tokenizer
+    model.save_pretrained(str(out / "model.safetensors"))
+    return metrics
+
+
+FAMILIES = {"arcee": train_arcee, "alpha_er": train_alpha_er}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,17 +157,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 (the default) gives the same weights on any machine")
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    families = list(FAMILIES) if args.family == "all" else [args.family]
-    for family in families:
-        out = (args.out or EMBEDDED_DIR) / family if (args.out is None or args.family == "all") else args.out
-        settings = TrainSettings(seed=args.seed)
-        if args.steps is not None:
-            settings.steps = args.steps
-        metrics = FAMILIES[family](out, settings)
-        metrics["threads"] = args.threads
-        (out / "training.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        print(f"{family}: {json.dumps(metrics)} -> {out}", flush=True)
+    try:
+        for family in list(FAMILIES) if args.family == "all" else [args.family]:
+            _train_and_save(family, args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_save(family: str, args: argparse.Namespace) -> None:
+    out = (args.out or EMBEDDED_DIR) / family if (args.out is None or args.family == "all") else args.out
+    settings = TrainSettings(seed=args.seed)
+    if args.steps is not None:
+        settings.steps = args.steps
+    metrics = {**FAMILIES[family](out, settings), "threads": args.threads}
+    (out / "training.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(f"{family}: {json.dumps(metrics)} -> {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -266,10 +266,14 @@ class HookedAlphaEr(HookedModel):
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "HookedAlphaEr":
         """From a checkpoint: a safetensors file whose header metadata carries the config fields (or
         with a config.json beside it), a torch state-dict file with a config.json beside it, or a
-        directory holding either."""
+        directory holding either.
+
+        `"embedded"` names the small IOI model shipped in the package (`hooked_models.embedded`), a
+        safetensors file with its config in the header, loaded by the same code."""
+        from hooked_models.embedded import resolve_embedded
         from weight_conversion.alpha_er import load_alpha_er_checkpoint
 
-        return load_alpha_er_checkpoint(path, dtype=dtype, device=device)
+        return load_alpha_er_checkpoint(resolve_embedded(path, "alpha_er"), dtype=dtype, device=device)
 
     def save_pretrained(self, path) -> None:
         """Write the reference's checkpoint format: safetensors, config fields in the header metadata.

@@ -9,8 +9,10 @@ from hooked_models.embedded import train
 
 def test_training_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path):
     # A few steps only: the full run is `python -m hooked_models.embedded.train`.
+    threads = torch.get_num_threads()
     for run in ("first", "second"):
         train.main(["--family", "arcee", "--out", str(tmp_path / run), "--steps", "3"])
+    assert torch.get_num_threads() == threads
     first, second = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("first", "second"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[name], second[name]) for name in first)
