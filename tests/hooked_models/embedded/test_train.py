@@ -3,7 +3,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from hooked_models import HookedArcee
+from hooked_models import HookedAlphaEr, HookedArcee
 from hooked_models.embedded import train
 
 
@@ -28,3 +28,12 @@ def test_training_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path):
     assert (model.layers[0].input_layernorm.weight != 1).any()
     # The reported metrics are those of the checkpoint written.
     assert train.evaluate(model) == {k: metrics[k] for k in ("accuracy", "top1_accuracy", "mean_logit_diff")}
+
+
+def test_training_script_writes_alpha_er_in_the_reference_format(tmp_path):
+    train.main(["--family", "alpha_er", "--out", str(tmp_path), "--steps", "2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json"]
+    model = HookedAlphaEr.from_pretrained(tmp_path / "model.safetensors")
+    assert model.cfg.reference_fields() == train.embedded_alpha_er_config(model.cfg.vocab_size).reference_fields()
+    assert model.tokenizer.get_vocab() == train.build_tokenizer().get_vocab()
