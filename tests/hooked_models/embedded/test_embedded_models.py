@@ -17,7 +17,7 @@ from hooked_models.embedded.task import build_tokenizer, logit_difference, make_
 # test prompts are freshly drawn.
 MIN_ACCURACY = 0.98
 MIN_MEAN_LOGIT_DIFF = 8.0
-HELD_OUT_SEED = 20261129  # the training batches use seeds from 1_000_000 up to 1_001_000
+HELD_OUT_SEED = 20261129  # the training batches use seeds 1_000_000 + step
 
 
 @pytest.fixture(scope="module")
