@@ -345,8 +345,9 @@ class PatchingResult:
     def plot(self, path: "str | os.PathLike | None" = None, ax=None, normalized: bool = True, title: str | None = None):
         """A labelled heatmap (a bar chart for one axis); the last axis runs across, the rest down.
 
-        Shows `normalized()` when the clean and corrupted runs differ, else `values`. Saves to `path`
-        when given. Returns the matplotlib Figure.
+        Shows `normalized()` when asked and the clean and corrupted runs differ, else `effect()` (the
+        change each patch makes), on a diverging scale centred on 0. Saves to `path` when given.
+        Returns the matplotlib Figure.
         """
         try:
             import matplotlib
@@ -357,7 +358,7 @@ class PatchingResult:
         except ImportError:
             raise ImportError("PatchingResult.plot needs matplotlib (pip install matplotlib)") from None
         use_norm = normalized and self.clean_metric != self.corrupted_metric
-        data = (self.normalized() if use_norm else self.values).detach().float().cpu()
+        data = (self.normalized() if use_norm else self.effect()).detach().float().cpu()
         if data.ndim == 0:
             data = data.reshape(1, 1)
         rows_axes, cols_axis = self.axes[:-1], (self.axes[-1] if self.axes else None)
@@ -365,11 +366,11 @@ class PatchingResult:
         row_labels = [" ".join(parts) for parts in product(*(self.labels[a] for a in rows_axes))] or [""]
         col_labels = self.labels[cols_axis] if cols_axis else [self.value]
         if ax is None:
-            width = min(2 + 0.35 * table.shape[1], 22)
-            height = min(1.6 + 0.3 * table.shape[0], 22)
-            fig, ax = plt.subplots(figsize=(max(width, 5), max(height, 3) if table.shape[0] > 1 else 3.2))
+            width = min(3.5 + 0.4 * table.shape[1], 24)
+            height = min(2.5 + 0.3 * table.shape[0], 22)
+            fig, ax = plt.subplots(figsize=(max(width, 6), max(height, 4)))
         fig = ax.figure
-        scale = "restored (0 = corrupted, 1 = clean)" if use_norm else "metric"
+        scale = "restored (0: corrupted, 1: clean)" if use_norm else "change in metric"
         if table.shape[0] == 1 and len(self.axes) <= 1:
             ax.bar(range(table.shape[1]), table[0].numpy(), color="tab:blue")
             ax.set_ylabel(scale)
