@@ -14,7 +14,9 @@ aliases). Nothing here knows a family: the sites, dimensions and sizes come from
 Denoising runs the corrupted input and writes in the clean run's activations; noising runs the clean
 input and writes in the corrupted run's. Many patches share one forward: the input is repeated once
 per patch along the batch and each copy gets its own patch (a `torch.where` against a per-copy mask),
-in chunks sized to a memory budget. Attribution patching (Nanda 2023, "Attribution Patching") estimates
+in chunks sized to a memory budget. A patch that writes what is already there is not run (its metric is
+the unpatched one), and the layers below a chunk's earliest patch are replayed from the unpatched run
+instead of recomputed: both exact, since a patch cannot reach back. Attribution patching (Nanda 2023, "Attribution Patching") estimates
 every patch at once from one forward and one backward: effect ≈ Σ grad · (source − base).
 """
 
@@ -31,7 +33,7 @@ import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from hooked_models.hooks import ValueHook
 from hooked_models.vocabulary import POSITION_DIMS, Value
@@ -326,9 +328,9 @@ class PatchingResult:
             raise ValueError("the clean and corrupted metrics are equal; there is nothing to normalize by")
         return (self.values - self.corrupted_metric) / span
 
-    def top(self, k: int = 10, by: str = "effect") -> list[tuple[str, float]]:
+    def top(self, k: int = 10) -> list[tuple[str, float]]:
         """The k locations whose patch moves the metric most (by |effect|), as (label, value)."""
-        scores = self.effect().abs() if by == "effect" else self.values
+        scores = self.effect().abs()
         order = scores.flatten().argsort(descending=True)[:k]
         return [(self.location(int(i)), float(self.values.flatten()[i])) for i in order]
 
