@@ -6,8 +6,9 @@
 alpha-er routes a token at position t of a length-T sequence to expert floor(t·G/T), so an expert
 is a window of positions: patching expert g at layer l writes the clean MLP output into the
 positions g owns. Its qkv, attention-output and LM-head projections pass through rank-r
-bottlenecks: patching unit r writes one bottleneck coordinate at every position. Each sweep is
-shown with its attribution-patching estimate (one forward and one backward) beside it.
+bottlenecks: patching unit r writes one bottleneck coordinate at every position (for the LM head,
+after the bottleneck's LayerNorm, where the logits are linear in it). Each sweep is shown with its
+attribution-patching estimate (one forward and one backward) beside it.
 """
 
 import time
@@ -23,7 +24,7 @@ SWEEPS = [
     ("mlp_output", ("layer", "expert"), "experts (MLP output of each window)"),
     ("qkv_proj.bottleneck", ("layer", "rank"), "qkv bottleneck units"),
     ("o_proj.bottleneck", ("layer", "rank"), "attention-output bottleneck units"),
-    ("lm_head.bottleneck", ("rank",), "LM-head bottleneck units"),
+    ("lm_head.bottleneck_normed", ("rank",), "LM-head bottleneck units (normed)"),
 ]
 
 

@@ -86,13 +86,19 @@ def test_activation_and_head_patching_on_an_alpha_er_checkpoint(tmp_path, alpha_
 def test_head_patching_on_the_embedded_arcee(tmp_path, run_in_process):
     stdout = run_in_process("head_patching.py", "--prompts", "8", "--out", str(tmp_path / "heads.png"))
     assert "2 key/value heads" in stdout
+    # The IOI circuit's first step (tutorial 2): layer 0's head 2 moves the repeated name to the end,
+    # through the values of its key/value head 1.
+    assert "head output (z)              strongest: L0 H2" in stdout
+    assert "values (by key/value head)   strongest: L0 KV1" in stdout
     assert_png(tmp_path / "heads.png")
 
 
-def test_alpha_er_experts(tmp_path, alpha_er_checkpoint, run_in_process):
-    stdout = run_in_process("alpha_er_experts.py", "--model", str(alpha_er_checkpoint), "--prompts", "4",
-                         "--out", str(tmp_path / "experts.png"))
+def test_alpha_er_experts_on_the_embedded_model(tmp_path, run_in_process):
+    stdout = run_in_process("alpha_er_experts.py", "--prompts", "8", "--out", str(tmp_path / "experts.png"))
     assert "expert of each position: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]" in stdout
-    # The LM head's bottleneck feeds the logits linearly: its attribution estimate is exact.
-    assert "LM-head bottleneck units" in stdout and stdout.split("LM-head")[1].split("\n")[0].endswith("1.00")
+    # The answer is read at position 15, expert 3's: in the last layer no other expert can move it, and
+    # experts 0 and 1 own positions before the prompts' only difference, so an E3 patch comes first.
+    assert stdout.split("experts (MLP output of each window)")[1].split("strongest: ")[1].startswith(("L1 E3", "L0 E3"))
+    # The logits are linear in the LM head's normed bottleneck: its attribution estimate is exact.
+    assert stdout.split("LM-head bottleneck units (normed)")[1].split("\n")[0].endswith("correlation 1.00")
     assert_png(tmp_path / "experts.png")
