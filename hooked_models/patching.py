@@ -512,7 +512,7 @@ def activation_patch(
     clean_metric, corrupted_metric = ((source_metric, float(base_metric)) if direction == "denoising"
                                       else (float(base_metric), source_metric))
     return PatchingResult(
-        values=results.reshape(grid.shape),
+        values=results.reshape(grid.shape).cpu(),
         axes=tuple(grid.axes),
         labels=grid.labels,
         value=value,
