@@ -384,8 +384,8 @@ class PatchingResult:
             ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7 if len(row_labels) > 24 else 9)
             ax.set_ylabel(" × ".join(AXIS_TITLES.get(a, a) for a in rows_axes))
         step = max(1, len(col_labels) // 48)
-        ax.set_xticks(range(0, len(col_labels), step), col_labels[::step], rotation=90 if step == 1 and
-                      max(map(len, col_labels)) > 3 else 0, fontsize=8)
+        crowded = len(col_labels[::step]) * max(map(len, col_labels)) > 60  # labels would overlap: turn them
+        ax.set_xticks(range(0, len(col_labels), step), col_labels[::step], rotation=90 if crowded else 0, fontsize=8)
         ax.set_xlabel(AXIS_TITLES.get(cols_axis, cols_axis) if cols_axis else "")
         ax.set_title(title or f"{self.method}: {self.value} ({self.direction})")
         fig.tight_layout()
