@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,3 +103,23 @@ def test_alpha_er_experts_on_the_embedded_model(tmp_path, run_in_process):
     # The logits are linear in the LM head's normed bottleneck: its attribution estimate is exact.
     assert stdout.split("LM-head bottleneck units (normed)")[1].split("\n")[0].endswith("correlation 1.00")
     assert_png(tmp_path / "experts.png")
+
+
+def test_a_model_with_its_own_tokenizer_gets_text_ioi_prompts(hf_arcee_factory, monkeypatch):
+    """What --model gives an AFM checkpoint: IOI sentences through the model's tokenizer (here the word-level
+    one, on a model whose vocabulary is not the embedded one), aligned, answers single tokens."""
+    from hooked_models import HookedArcee
+    from hooked_models.embedded.task import build_tokenizer
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from common import make_task
+
+    model = HookedArcee.from_hf(hf_arcee_factory(vocab_size=131)).eval()
+    model.tokenizer = build_tokenizer()
+    task = make_task(model, prompts=6, seed=0)
+    assert task.name == "IOI (the model's tokenizer)" and task.clean.shape == task.corrupted.shape == (6, 16)
+    differ = (task.clean != task.corrupted).nonzero()[:, 1]
+    assert differ.tolist() == [11] * 6
+    # The clean answer is the name said once, which the corrupted prompt repeats instead.
+    assert torch.equal(task.corrupted[:, 11], task.correct) and not torch.equal(task.clean[:, 11], task.correct)
+    assert task.read_at == 15
