@@ -14,7 +14,6 @@ shard, so the writer never holds more than one shard. Target: peak RSS of the lo
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -84,15 +83,24 @@ def write_checkpoint(cfg, directory: Path, shard_bytes: int = 2 * 10**9) -> int:
     return total
 
 
+def memory(field: str) -> int:
+    """Bytes of /proc/self/status's `field`: VmRSS now, VmHWM the peak of this process's own memory
+    (getrusage's ru_maxrss would carry the writer's peak across the exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def child(directory: str) -> None:
     """Load, report peak RSS and load time as JSON on stdout's last line, run a short forward."""
     from hooked_models import HookedArcee
 
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    baseline = memory("VmRSS")
     start = time.perf_counter()
     model = HookedArcee.from_pretrained(directory, dtype=torch.bfloat16, progress=True)
     load_s = time.perf_counter() - start
-    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_load = memory("VmHWM")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     start = time.perf_counter()
@@ -103,7 +111,7 @@ def child(directory: str) -> None:
         baseline_rss=baseline, peak_rss_after_load=peak_load, load_s=load_s, param_bytes=params,
         forward_s=forward_s, logits_dtype=str(logits.dtype), logits_shape=list(logits.shape),
         logits_finite=bool(torch.isfinite(logits).all()),
-        peak_rss_after_forward=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_after_forward=memory("VmHWM"),
     )))
 
 
