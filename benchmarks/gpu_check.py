@@ -51,7 +51,8 @@ def main():
     ids = torch.randint(3, args.vocab, (4, 256), generator=torch.Generator().manual_seed(0)).cuda()
     scores = [(f"layers.{i}.self_attn.attention_scores", lambda t, hook: None) for i in range(args.layers)]
 
-    for dtype, tol in [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)]:
+    # bf16: kernels may differ between the two sides on a GPU (repeat_kv vs enable_gqa), ~1e-2 at most.
+    for dtype, tol in [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)]:
         model = HookedArcee.from_pretrained(directory, dtype=dtype, device="cuda")
         with torch.inference_mode():
             fused = model(ids)
