@@ -103,7 +103,8 @@ def _text_ioi(model, ioi, prompts: int, seed: int) -> Task | None:
     for i, (c, x) in enumerate(zip(pairs.clean_text, pairs.corrupted_text)):
         a, b = model.to_tokens(c)[0], model.to_tokens(x)[0]
         try:  # the answers must be one token each in the model's vocabulary (" Mary")
-            io, s = (model.to_single_token(pairs.tokenizer.decode([int(t[i])])) for t in (pairs.correct, pairs.incorrect))
+            io, s = (model.to_single_token(pairs.tokenizer.decode([int(t[i])]))
+                     for t in (pairs.correct, pairs.incorrect))
         except ValueError:
             continue
         if a.shape == b.shape and (not clean or a.shape == clean[0].shape):

@@ -16,8 +16,9 @@ input and writes in the corrupted run's. Many patches share one forward: the inp
 per patch along the batch and each copy gets its own patch (a `torch.where` against a per-copy mask),
 in chunks sized to a memory budget. A patch that writes what is already there is not run (its metric is
 the unpatched one), and the layers below a chunk's earliest patch are replayed from the unpatched run
-instead of recomputed: both exact, since a patch cannot reach back. Attribution patching (Nanda 2023, "Attribution Patching") estimates
-every patch at once from one forward and one backward: effect ≈ Σ grad · (source − base).
+instead of recomputed: both exact, since a patch cannot reach back. Attribution patching (Nanda 2023,
+"Attribution Patching") estimates every patch at once from one forward and one backward:
+effect ≈ Σ grad · (source − base).
 """
 
 import math
