@@ -84,6 +84,16 @@ def test_activation_and_head_patching_on_an_alpha_er_checkpoint(tmp_path, alpha_
     assert_png(tmp_path / "heads.png")
 
 
+def test_activation_patching_on_an_hf_arcee_directory(tmp_path, hf_arcee_factory, run_in_process):
+    from hooked_models import HookedArcee
+
+    HookedArcee.from_hf(hf_arcee_factory()).save_pretrained(str(tmp_path / "arcee"))
+    stdout = run_in_process("activation_patching.py", "--model", str(tmp_path / "arcee"), "--prompts", "4",
+                            "--out", str(tmp_path / "resid.png"))
+    assert stdout.startswith("HookedArcee (2 layers)") and "induction" in stdout  # detected; no tokenizer
+    assert_png(tmp_path / "resid.png")
+
+
 def test_head_patching_on_the_embedded_arcee(tmp_path, run_in_process):
     stdout = run_in_process("head_patching.py", "--prompts", "8", "--out", str(tmp_path / "heads.png"))
     assert "2 key/value heads" in stdout
