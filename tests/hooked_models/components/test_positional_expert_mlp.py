@@ -111,3 +111,15 @@ def test_the_dense_form_is_built_only_when_hooked(mlp, monkeypatch):
 def test_length_must_split_into_experts(mlp):
     with pytest.raises(ValueError, match="sequence length 6 is not a multiple of the MLP's 4 experts"):
         mlp(torch.randn(1, 6, HIDDEN))
+
+
+@pytest.mark.parametrize("experts", [2, 16])
+def test_experts_are_one_batched_contraction_each_way(experts):
+    """As the reference computes them: one contraction up and one down for all experts together,
+    whatever their number (a loop over experts would show G matrix products each way)."""
+    module = PositionalExpertMLP(HIDDEN, experts * WIDTH, experts, nn.GELU(approximate="tanh"))
+    products = {"aten::bmm", "aten::mm", "aten::matmul", "aten::einsum", "aten::linear"}
+    with torch.no_grad(), torch.profiler.profile() as profile:
+        module(torch.randn(2, experts * 3, HIDDEN))
+    counts = {e.key: e.count for e in profile.key_averages() if e.key in products}
+    assert counts.get("aten::einsum") == 2 and counts.get("aten::bmm", 0) <= 2 and "aten::mm" not in counts, counts
