@@ -338,7 +338,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             if bool((attention_mask.sum(-1) == 0).any()):
                 raise ValueError("attention_mask has a row with no real token (all zeros)")
             attention_mask = attention_mask.to(device=tokens.device, dtype=torch.long)  # bool and float masks too
-        return tokens, attention_mask
+        return tokens.long(), attention_mask  # uint8 and int16 ids too: the forward's annotations say signed
 
     def _check_token_ids(self, tokens: Tensor, what: str) -> Tensor:
         # Checked here because nn.Embedding's IndexError (or a device assert on GPU) names neither.

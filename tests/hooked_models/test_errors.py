@@ -120,6 +120,14 @@ def test_good_masks_are_accepted_in_every_spelling(model):
         assert model(torch.zeros(1, MAX_POSITIONS, dtype=torch.long)).shape == (1, MAX_POSITIONS, VOCAB)
 
 
+def test_integer_ids_of_any_width_are_accepted(model):
+    t = tokens()
+    with torch.no_grad():
+        expected = model(t)
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+            torch.testing.assert_close(model(t.to(dtype)), expected, rtol=0, atol=0)
+
+
 def test_a_hook_that_writes_ids_outside_the_vocabulary_is_refused(model):
     with pytest.raises(ValueError, match=rf"a hook on input_ids wrote token id {VOCAB} .*\[0, {VOCAB}\)"):
         model.run_with_hooks(tokens(), fwd_hooks=[("input_ids", lambda x, hook: torch.full_like(x, VOCAB))])
