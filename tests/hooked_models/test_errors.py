@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 import torch
 
-from hooked_models import ArceeConfig, HookedArcee
+from hooked_models import AlphaErConfig, ArceeConfig, HookedAlphaEr, HookedArcee
 from hooked_models.hooks import HookWriteError, UnknownHookError
 
 VOCAB, MAX_POSITIONS = 23, 16
@@ -42,6 +42,28 @@ def model1():
     cfg = ArceeConfig(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=VOCAB,
                       intermediate_size=8, max_position_embeddings=MAX_POSITIONS)
     return HookedArcee(cfg).eval()
+
+
+def random_alpha_er(num_layers: int) -> HookedAlphaEr:
+    """A tiny HookedAlphaEr with random weights (its factored and expert weights start uninitialized):
+    2 experts, so lengths must be even and at most block_size=8."""
+    torch.manual_seed(0)
+    model = HookedAlphaEr(AlphaErConfig(vocab_size=VOCAB, block_size=8, n_layer=num_layers, n_embd=8, n_head=2,
+                                        ffn_dim=8, mlp_experts=2, lm_head_rank=3, attn_rank=3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def alpha_er():
+    return random_alpha_er(2)
+
+
+@pytest.fixture(scope="module")
+def alpha_er1():
+    return random_alpha_er(1)
 
 
 def tokens(batch=2, seq=6, seed=0):
@@ -75,8 +97,6 @@ BAD_INPUTS = {
     "bool tokens": (dict(input=tokens() > 3), ["integer ids", "torch.bool"]),
     "1-D tokens": (dict(input=tokens()[0]), ["2-D [batch seq]", "(6,)"]),
     "3-D tokens": (dict(input=tokens()[None]), ["2-D [batch seq]", "(1, 2, 6)"]),
-    "past max_position_embeddings": (dict(input=torch.zeros(1, MAX_POSITIONS + 1, dtype=torch.long)),
-                                     [f"{MAX_POSITIONS + 1}", f"{MAX_POSITIONS} positions"]),
     "mask of the wrong shape": (dict(input=tokens(), attention_mask=torch.ones(2, 5, dtype=torch.long)),
                                 ["attention_mask has shape (2, 5)", "(2, 6)"]),
     "1-D mask": (dict(input=tokens(), attention_mask=torch.ones(6, dtype=torch.long)),
@@ -89,10 +109,28 @@ BAD_INPUTS = {
 }
 
 
+FAMILY_INPUTS = {
+    "model": {
+        "past max_position_embeddings": (dict(input=torch.zeros(1, MAX_POSITIONS + 1, dtype=torch.long)),
+                                         [f"{MAX_POSITIONS + 1}", f"{MAX_POSITIONS} positions"]),
+    },
+    "alpha_er": {
+        "past block_size": (dict(input=torch.zeros(1, 10, dtype=torch.long)),
+                            ["sequence length 10", "block_size=8"]),
+        "not a multiple of the experts": (dict(input=torch.zeros(1, 5, dtype=torch.long)),
+                                          ["sequence length 5", "multiple of mlp_experts=2", "pad the input"]),
+        "left padding": (dict(input=tokens(), attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]] * 2)),
+                         ["padding must be on the right"]),
+    },
+}
+INPUT_CASES = [(fam, case) for fam in FAMILY_INPUTS for case in [*BAD_INPUTS, *FAMILY_INPUTS[fam]]]
+
+
 @pytest.mark.parametrize("call", ["forward", "run_with_cache", "run_with_hooks"])
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_a_clear_value_error(model, case, call):
-    kwargs, fragments = BAD_INPUTS[case]
+@pytest.mark.parametrize("family, case", INPUT_CASES)
+def test_bad_input_is_a_clear_value_error(request, family, case, call):
+    model = request.getfixturevalue(family)
+    kwargs, fragments = {**BAD_INPUTS, **FAMILY_INPUTS[family]}[case]
     kwargs = dict(kwargs)
     args = (kwargs.pop("input"),)
     run = {
@@ -219,6 +257,39 @@ def test_an_unknown_name_suggests_the_nearest(model, name, suggestion):
         assert_clean(model)
 
 
+ALPHA_ER_WRITES = [
+    ("layers.0.self_attn.qkv_proj.bottleneck", lambda x, hook: x[..., :2], ["'layers.0.self_attn.qkv_proj.bottleneck'"],
+     ["(2, 6, 2)", "(2, 6, 3)"]),
+    ("hook_pos_embed", lambda x, hook: x[:, :4], ["'hook_pos_embed'", "'position_embeddings'"],
+     ["(2, 4, 8)", "(2, 6, 8)"]),
+    ("blocks.1.attn.hook_q", lambda x, hook: x.transpose(1, 2).contiguous(),
+     ["'blocks.1.attn.hook_q'", "'layers.1.self_attn.attention_queries'"], ["(2, 2, 6, 4)", "(2, 6, 2, 4)"]),
+    ("layers.1.mlp.mlp_expert_index", lambda x, hook: x, ["'layers.1.mlp.mlp_expert_index'", "read-only"], []),
+]
+
+
+@pytest.mark.parametrize("name, write, names, shapes", ALPHA_ER_WRITES, ids=[w[0] for w in ALPHA_ER_WRITES])
+def test_alpha_er_wrong_write_names_the_hook_and_both_shapes(alpha_er, name, write, names, shapes):
+    with pytest.raises(HookWriteError) as info:
+        alpha_er.run_with_hooks(tokens(), fwd_hooks=[(name, write)])
+    for fragment in names + shapes:
+        assert fragment in str(info.value), str(info.value)
+    assert_clean(alpha_er)
+
+
+@pytest.mark.parametrize("name, suggestion", [
+    ("layers.1.self_attn.o_proj.botleneck", "'layers.1.self_attn.o_proj.bottleneck'"),
+    ("layers.0.mlp.mlp_expert", "'layers.0.mlp.mlp_expert_index'"),
+    ("hook_pos_emb", "'hook_pos_embed'"),
+    ("blocks.2.hook_resid_pre", "layer 2 is out of range, the model has 2 layers (0 to 1)"),
+])
+def test_alpha_er_unknown_name_suggests_the_nearest(alpha_er, name, suggestion):
+    with pytest.raises(UnknownHookError) as info:
+        alpha_er.run_with_hooks(tokens(), fwd_hooks=[("logits", read), (name, read)])
+    assert suggestion in str(info.value), str(info.value)
+    assert_clean(alpha_er)
+
+
 def test_the_cache_suggests_names_too(model):
     _, cache = model.run_with_cache(tokens())
     with pytest.raises(KeyError, match=r"did you mean 'blocks.1.hook_resid_post'"):
@@ -264,8 +335,10 @@ def _hooks_second_unknown(m):
         pass
 
 
+@pytest.mark.parametrize("family", ["model", "alpha_er"])
 @pytest.mark.parametrize("case", list(FAILING_RUNS))
-def test_a_failing_run_leaves_nothing_behind(model, case):
+def test_a_failing_run_leaves_nothing_behind(request, family, case):
+    model = request.getfixturevalue(family)
     with torch.no_grad():
         before = model(tokens())
     permanent = []
@@ -285,9 +358,11 @@ def test_a_failing_run_leaves_nothing_behind(model, case):
     assert_clean(model)
 
 
-def test_a_thousand_failing_runs_leave_no_hook_and_no_memory(model1):
+@pytest.mark.parametrize("family", ["model1", "alpha_er1"])
+def test_a_thousand_failing_runs_leave_no_hook_and_no_memory(request, family):
     """Each kind of failure, over and over: hooks, Python objects, live tensors and traced memory
     stay where they were."""
+    model1 = request.getfixturevalue(family)
     kinds = list(FAILING_RUNS.values())
 
     def fail(i):
