@@ -212,8 +212,12 @@ def tiny_alpha_er():
     from hooked_models.families.alpha_er import AlphaErConfig
 
     torch.manual_seed(0)
-    return HookedAlphaEr(AlphaErConfig(vocab_size=11, block_size=8, n_layer=1, n_embd=8, n_head=2, ffn_dim=8,
-                                       mlp_experts=2, lm_head_rank=3, attn_rank=3)).eval()
+    model = HookedAlphaEr(AlphaErConfig(vocab_size=11, block_size=8, n_layer=1, n_embd=8, n_head=2, ffn_dim=8,
+                                        mlp_experts=2, lm_head_rank=3, attn_rank=3))
+    with torch.no_grad():  # the factored and expert weights start uninitialized (torch.empty)
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
