@@ -53,6 +53,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     TransformerLens's model surface from hooked_models/transformer_lens_compat.py."""
 
     tokenizer: Any = None
+    # TransformerLens's switch: whether a cache-everything run_with_cache includes per-head results.
+    cfg_use_attn_result = False
     # Whether `_logits` takes `past_kv_cache` and `logits_to_keep`: incremental decoding.
     supports_kv_cache = False
 
@@ -67,8 +69,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         Call at the end of `__init__`, and again after replacing a submodule.
         """
         super().setup()
+        # hook_dict answers to both names (TransformerLens code iterates it for "...hook_z" names);
+        # standard_hook_dict holds each HookPoint once, under its standard name.
+        self.standard_hook_dict: dict[str, HookPoint] = dict(self.hook_dict)
         self.aliases = {}
-        for name, point in self.hook_dict.items():
+        for name, point in self.standard_hook_dict.items():
             value = getattr(point, "value", None)
             if value is None or value.tl is None:
                 continue
@@ -81,14 +86,16 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         self._alias_names: dict[str, list[str]] = {}
         for alias, canonical in self.aliases.items():
             self._alias_names.setdefault(canonical, []).append(alias)
+        self.hook_dict = {**self.standard_hook_dict,
+                          **{alias: self.standard_hook_dict[c] for alias, c in self.aliases.items()}}
 
     def resolve_hook_name(self, name: str) -> tuple[str, Value | None]:
         """(standard name, the Value whose layout an alias converts, or None where none is needed)."""
-        if name in self.hook_dict:
+        if name in self.standard_hook_dict:
             return name, None
         if name in self.aliases:
             canonical = self.aliases[name]
-            value = self.hook_dict[canonical].value
+            value = self.standard_hook_dict[canonical].value
             return canonical, value if value.tl_layout else None
         raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
 
@@ -96,7 +103,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         """The nearest standard or TransformerLens names, compared with the layer index set aside, so
         a typo in layer 3 suggests layer 3's names and a TransformerLens shorthand suggests its hook."""
         layered = re.compile(r"^(layers|blocks)\.(\d+)\.")
-        names = list(self.hook_dict) + list(self.aliases)
+        names = list(self.hook_dict)
         num_layers = 1 + max((int(m.group(2)) for n in names if (m := layered.match(n))), default=-1)
         templates = list(dict.fromkeys(layered.sub(r"\1.{i}.", n) for n in names))
         match = layered.match(name)
@@ -120,9 +127,9 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         """(HookPoint, standard name, alias or None) for a name or a filter on names."""
         if isinstance(name, str):
             canonical, _ = self.resolve_hook_name(name)
-            yield self.hook_dict[canonical], canonical, (name if name != canonical else None)
+            yield self.standard_hook_dict[canonical], canonical, (name if name != canonical else None)
             return
-        for canonical, point in self.hook_dict.items():
+        for canonical, point in self.standard_hook_dict.items():
             matched = next((n for n in self.hook_names(canonical) if name(n)), None)
             if matched is not None:
                 yield point, canonical, (matched if matched != canonical else None)
@@ -130,7 +137,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     def _wrap_for_alias(self, hook: Callable, canonical: str, alias: str | None) -> Callable:
         if alias is None:
             return hook
-        return _AliasHook(hook, alias, self.hook_dict[canonical].value)
+        return _AliasHook(hook, alias, self.standard_hook_dict[canonical].value)
 
     # ----------------------------------------------------------------------------------- hooks
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:
@@ -148,12 +155,15 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         """Hooks that store each selected value under its standard name.
 
         `names_filter` may name values by standard or TransformerLens name; `pos_slice` slices each
-        value's own position axis, read from its layout.
+        value's own position axis, read from its layout. With no filter, every value is cached but
+        the on-request ones (per-head results), unless `set_use_attn_result(True)` asked for them.
         """
         cache = {} if cache is None else cache
         pos_slice = Slice.unwrap(pos_slice)
         if names_filter is None:
-            selected = lambda name: True  # noqa: E731
+            def selected(name: str) -> bool:
+                value = getattr(self.standard_hook_dict[name], "value", None)
+                return value is None or not value.on_request or self.cfg_use_attn_result
         elif isinstance(names_filter, str):
             selected = {self.resolve_hook_name(names_filter)[0]}.__contains__
         elif isinstance(names_filter, (list, tuple, set)):
@@ -175,7 +185,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             cache[name] = stored
 
         fwd, bwd = [], []
-        for name, point in self.hook_dict.items():
+        for name, point in self.standard_hook_dict.items():
             if not selected(name):
                 continue
             seq_axis = point.value.seq_axis if isinstance(point, ValueHook) else None
@@ -203,7 +213,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     def support(self) -> Support:
         """The table of values this model exposes, by host module: name, layout, meaning, where read."""
         rows = []
-        for name, point in self.hook_dict.items():
+        for name, point in self.standard_hook_dict.items():
             if not isinstance(point, ValueHook):
                 continue
             value = point.value

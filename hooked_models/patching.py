@@ -107,7 +107,7 @@ class Patch:
 def find_sites(model, value: str) -> list[Site]:
     """Every hook point carrying `value`: a standard value name (`layer_input`), a TransformerLens short
     name (`resid_pre`, `z`), one hook's full name (either kind), or a suffix of hook names."""
-    points = {name: p for name, p in model.hook_dict.items() if isinstance(p, ValueHook)}
+    points = {name: p for name, p in model.standard_hook_dict.items() if isinstance(p, ValueHook)}
     if value in points or value in model.aliases:
         names = [model.resolve_hook_name(value)[0]]
     else:
@@ -473,7 +473,7 @@ def activation_patch(
     base, source = _runs(model, clean, corrupted, direction)
     sites = find_sites(model, value)
     names = [s.name for s in sites]
-    layer_outputs = [n for n in model.hook_dict if _LAYER_OUTPUT.fullmatch(n)]
+    layer_outputs = [n for n in model.standard_hook_dict if _LAYER_OUTPUT.fullmatch(n)]
     fired: list[str] = []
     with torch.no_grad():
         source_logits, cache = model.run_with_cache(source, names_filter=names)

@@ -131,9 +131,9 @@ class TransformerLensModel:
         return torch.cat([self.W_E, self.W_pos])
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """TransformerLens's switch for per-head results. Here `hook_result` is computed whenever
-        something hooks or caches it (and costs nothing otherwise), so there is nothing to switch;
-        kept so that scripts calling it run unchanged."""
+        """TransformerLens's switch for per-head results: whether `run_with_cache()` with no
+        names_filter caches `hook_result`. A hook or a filter that names it gets it either way, and
+        it costs nothing while nobody asks."""
         self.cfg_use_attn_result = bool(use_attn_result)
 
     # The readout, for direct logit attribution: a family whose head is not linear (alpha-er's

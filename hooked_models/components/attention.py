@@ -119,21 +119,28 @@ class SelfAttention(HookedModule):
             )
         heads = self.attention_head_outputs(mixed.transpose(1, 2))
         premix = self.attention_premix(heads)
+        output = self.o_proj(premix.flatten(-2))
         if self.attention_head_results.has_hooks():
-            results = self.attention_head_results(self.head_results(premix))
-            return self.attention_output(results.sum(-2) + self.out_bias())
-        return self.attention_output(self.o_proj(premix.flatten(-2)))
+            results = self.head_results(premix, output)
+            written = self.attention_head_results(results)
+            # Reading the heads leaves the output as it was, bit for bit; rewriting them makes
+            # the output their sum, so the write flows on.
+            if written is not results:
+                output = written.sum(-2) + self.out_bias()
+        return self.attention_output(output)
 
     def head_results(
-        self, premix: Float[Tensor, "batch seq num_heads head_dim"]
+        self, premix: Float[Tensor, "batch seq num_heads head_dim"],
+        output: Float[Tensor, "batch seq hidden_size"] | None = None,
     ) -> Float[Tensor, "batch seq num_heads hidden_size"]:
         """Each head's term of the output projection (bias excluded): they sum to its output.
 
         An output projection that is not one matrix (alpha-er's factored o_proj) splits itself,
-        through its own `head_results` and `out_bias`.
+        through its own `head_results` and `out_bias`; `output`, when the forward has it already,
+        spares it a second run.
         """
         if hasattr(self.o_proj, "head_results"):
-            return self.o_proj.head_results(premix)
+            return self.o_proj.head_results(premix, output)
         w = self.o_proj.weight.view(-1, self.num_heads, self.head_dim)
         return torch.einsum("bshd,mhd->bshm", premix, w)
 

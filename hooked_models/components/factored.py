@@ -50,7 +50,8 @@ class FactoredProjection(HookedModule):
         return nn.functional.linear(self.bottleneck_normed(self.norm(z)), self.up, self.up_bias)
 
     def head_results(
-        self, x: Float[Tensor, "batch seq num_heads head_dim"]
+        self, x: Float[Tensor, "batch seq num_heads head_dim"],
+        output: Float[Tensor, "batch seq out_features"] | None = None,
     ) -> Float[Tensor, "batch seq num_heads out_features"]:
         """Each head's term of the output when the heads, side by side, are the input.
 
@@ -59,9 +60,10 @@ class FactoredProjection(HookedModule):
         head h contributes up(norm.weight · (z_h - mean z_h) / scale). The forward runs as usual,
         every hook inside the projection firing; what the head terms miss of its output (rounding,
         or what such a hook wrote) is shared equally among the heads, so the terms plus `out_bias()`
-        sum to the forward's output.
+        sum to the forward's output (`output`, when the caller ran it already).
         """
-        output = self(x.flatten(-2))
+        if output is None:
+            output = self(x.flatten(-2))
         heads = x.shape[-2]
         z_heads = torch.einsum("bshd,rhd->bshr", x, self.down.view(self.rank, heads, -1))
         z = z_heads.sum(-2, keepdim=True).float()

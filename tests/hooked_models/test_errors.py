@@ -77,7 +77,7 @@ def read(x, hook):
 def attached_hooks(model) -> int:
     """Hooks at both levels: TransformerLens's handles and PyTorch's own hook dicts."""
     return sum(len(p.fwd_hooks) + len(p.bwd_hooks) + len(p._forward_hooks) + len(p._backward_hooks)
-               for p in model.hook_dict.values())
+               for p in model.standard_hook_dict.values())
 
 
 def assert_clean(model):

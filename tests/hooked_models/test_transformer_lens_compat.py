@@ -16,8 +16,8 @@ def tokens_for(model, batch=2, seq=8, seed=0):
 @pytest.fixture
 def run(tl_model):
     tokens = tokens_for(tl_model)
-    with torch.no_grad():
-        logits, cache = tl_model.run_with_cache(tokens)
+    with torch.no_grad():  # every value, per-head results (on request) included
+        logits, cache = tl_model.run_with_cache(tokens, names_filter=lambda name: True)
     return tl_model, tokens, logits, cache
 
 

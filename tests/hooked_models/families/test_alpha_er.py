@@ -86,8 +86,8 @@ def test_every_value_has_its_layout_shape(pair):
     batch, seq = 2, 8
     tokens = tokens_for(model.cfg, batch, seq)
     with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, attention_mask=torch.ones_like(tokens))
-    assert set(cache.cache_dict) == set(model.hook_dict)  # every value fired, the lazy ones included
+        _, cache = model.run_with_cache(tokens, attention_mask=torch.ones_like(tokens), names_filter=lambda n: True)
+    assert set(cache.cache_dict) == set(model.standard_hook_dict)  # every value fired, the lazy ones included
     for name, tensor in cache.cache_dict.items():
         value = model.hook_dict[name].value
         assert tuple(tensor.shape) == value.shape(_sizes(model, name, batch, seq)), name
@@ -114,7 +114,8 @@ def test_head_results_sum_to_attention_output(pair):
     tokens = tokens_for(model.cfg, 2, 16)
     with torch.no_grad():
         plain = model(tokens)
-        logits, cache = model.run_with_cache(tokens)
+        # Per-head results are cached on request (names_filter), as TransformerLens's hook_result.
+        logits, cache = model.run_with_cache(tokens, names_filter=lambda n: True)
     attn = model.layers[0].self_attn
     results = cache["layers.0.self_attn.attention_head_results"]
     torch.testing.assert_close(results.sum(-2) + attn.out_bias(), cache["layers.0.self_attn.attention_output"],

@@ -1,0 +1,72 @@
+"""hook_dict answers to both names; per-head results are cached on request, as in TransformerLens."""
+
+import pytest
+import torch
+
+from hooked_models import HookedArcee
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from hooked_models.embedded.task import make_ioi_prompts
+
+    return HookedArcee.from_pretrained("embedded"), make_ioi_prompts(2, seed=3)
+
+
+def test_hook_dict_holds_each_point_under_both_names(tiny_arcee):
+    z = [n for n in tiny_arcee.hook_dict if n.endswith("hook_z")]  # a TransformerLens idiom
+    assert z == ["blocks.0.attn.hook_z", "blocks.1.attn.hook_z"]
+    assert tiny_arcee.hook_dict["blocks.1.attn.hook_z"] is tiny_arcee.hook_dict["layers.1.self_attn.attention_head_outputs"]
+    assert set(tiny_arcee.standard_hook_dict) == set(tiny_arcee.hook_dict) - set(tiny_arcee.aliases)
+    # One HookPoint per value: iterating hook_dict's values repeats points, standard_hook_dict does not.
+    assert len({id(p) for p in tiny_arcee.hook_dict.values()}) == len(tiny_arcee.standard_hook_dict)
+
+
+def test_cache_everything_leaves_per_head_results_to_request(tiny_arcee):
+    ids = torch.randint(0, 97, (1, 6))
+    _, cache = tiny_arcee.run_with_cache(ids)
+    assert "layers.0.self_attn.attention_head_results" not in cache.cache_dict
+    assert "layers.0.self_attn.attention_head_outputs" in cache.cache_dict
+    _, asked = tiny_arcee.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_result"))
+    assert set(asked.cache_dict) == {"layers.0.self_attn.attention_head_results",
+                                     "layers.1.self_attn.attention_head_results"}
+    tiny_arcee.set_use_attn_result(True)
+    try:
+        _, everything = tiny_arcee.run_with_cache(ids)
+    finally:
+        tiny_arcee.set_use_attn_result(False)
+    assert set(everything.cache_dict) == set(tiny_arcee.standard_hook_dict)
+    torch.testing.assert_close(everything["blocks.1.attn.hook_result"].sum(-2),
+                               everything["blocks.1.hook_attn_out"], rtol=1e-5, atol=1e-6)
+
+
+def test_transformer_lens_attribution_patch_runs_and_is_right(embedded):
+    """transformer_lens.tools' attribution_patch finds our hooks through hook_dict, and its node scores
+    are (clean - corrupt) · d metric / d activation, computed here by hand through the standard names."""
+    from transformer_lens.tools.analysis.attribution_patching import attribution_patch
+
+    model, prompts = embedded
+    clean, corrupt = prompts.clean_tokens[:1], prompts.corrupted_tokens[:1]
+    correct, incorrect = int(prompts.correct[0]), int(prompts.incorrect[0])
+
+    def metric(logits):
+        return logits[0, -1, correct] - logits[0, -1, incorrect]
+
+    result = attribution_patch(model, clean, corrupt, metric)
+    _, clean_cache = model.run_with_cache(clean)
+    live = {}
+
+    def keep(t, hook):
+        live[hook.name] = t
+
+    with model.hooks(fwd_hooks=[("layers.1.self_attn.attention_head_outputs", keep)]):
+        score = metric(model(corrupt))
+    (grad,) = torch.autograd.grad(score, live["layers.1.self_attn.attention_head_outputs"])
+    delta = clean_cache["layers.1.self_attn.attention_head_outputs"] - live["layers.1.self_attn.attention_head_outputs"]
+    by_hand = (delta * grad).sum(-1)[0]  # [pos head]
+    scores = {(n.position, n.head): s for n, s in result.node_scores.items()
+              if n.kind == "attn_head_out" and n.layer == 1}
+    assert len(scores) == by_hand.numel()
+    for (pos, head), s in scores.items():
+        assert s == pytest.approx(float(by_hand[pos, head]), rel=1e-4, abs=1e-5)
+    assert max(abs(s) for s in scores.values()) > 1e-3  # the edit matters somewhere: the test can fail
