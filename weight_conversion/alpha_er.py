@@ -24,6 +24,7 @@ from weight_conversion.checkpoint import (
     iter_tensors,
     load_tokenizer,
     read_json,
+    rename_state_dict,
     safetensors_metadata,
     stream_into,
 )
@@ -122,13 +123,7 @@ def reference_config_dict(cfg: AlphaErConfig) -> dict:
 
 def convert_alpha_er_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A reference state dict -> HookedAlphaEr's names, every tensor consumed (unknown names refused)."""
-    out = {}
-    for name, tensor in state.items():
-        try:
-            out[convert_alpha_er_name(name)] = tensor
-        except KeyError:
-            raise CheckpointError(f"unexpected tensor {name!r}, which alpha-er has no place for") from None
-    return out
+    return rename_state_dict(state, convert_alpha_er_name, "alpha-er")
 
 
 def hooked_to_reference_state_dict(model: HookedAlphaEr) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from weight_conversion.checkpoint import (
     iter_tensors,
     load_tokenizer,
     read_json,
+    rename_state_dict,
     resolve_checkpoint_dir,
     save_sharded,
     stream_into,
@@ -174,15 +175,8 @@ def is_derived_arcee_tensor(name: str) -> bool:
 
 def convert_arcee_state_dict(state: dict[str, torch.Tensor], cfg: ArceeConfig) -> dict[str, torch.Tensor]:
     """A transformers state dict -> HookedArcee's, with every tensor consumed and every target filled."""
-    out = {}
-    for name, tensor in state.items():
-        if is_derived_arcee_tensor(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            continue
-        try:
-            out[convert_arcee_name(name)] = tensor
-        except KeyError:
-            raise CheckpointError(f"unexpected tensor {name!r}") from None
-    return out
+    skip = lambda name: is_derived_arcee_tensor(name) or (cfg.tie_word_embeddings and name == "lm_head.weight")  # noqa: E731
+    return rename_state_dict(state, convert_arcee_name, "Arcee", skip)
 
 
 def hooked_to_hf_state_dict(model: HookedArcee) -> dict[str, torch.Tensor]:

@@ -192,6 +192,21 @@ def load_tokenizer(directory: Path):
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
+def rename_state_dict(state: dict[str, torch.Tensor], rename: Callable[[str], str], family: str,
+                      skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
+    """A source state dict under hooked names: every tensor consumed (`skip`ped or renamed), an unknown
+    name refused. `rename` raises KeyError for a name the family has no place for."""
+    out = {}
+    for name, tensor in state.items():
+        if skip(name):
+            continue
+        try:
+            out[rename(name)] = tensor
+        except KeyError:
+            raise CheckpointError(f"unexpected tensor {name!r}, which {family} has no place for") from None
+    return out
+
+
 def checkpoint_bytes(files: list[Path]) -> int:
     return sum(f.stat().st_size for f in files)
 

@@ -13,7 +13,7 @@ bottleneck; `score_mod.attention_raw_scores` (before the cap); `mlp.mlp_expert_i
 Reference: the alpha-er reference implementation in shared/seeds (004_*.txt).
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from hooked_models.components import (
     SoftCap,
 )
 from hooked_models.components.attention import causal_mask
+from hooked_models.config import TransformerLensFields
 from hooked_models.generation import PaddedWindowDecoder
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
@@ -44,7 +45,7 @@ ALPHA_ER_VALUES = declare_values("model", [
 
 
 @dataclass
-class AlphaErConfig:
+class AlphaErConfig(TransformerLensFields):
     """The reference config's fields (names as in the checkpoint header) and defaults.
 
     The standardized names (`num_layers`, `hidden_size`, ...) and TransformerLens's (`n_layers`,
@@ -96,27 +97,13 @@ class AlphaErConfig:
     expert_width = property(lambda self: self.ffn_dim // self.mlp_experts)
     max_position_embeddings = property(lambda self: self.block_size)
 
-    # TransformerLens's names.
-    n_layers = property(lambda self: self.n_layer)
-    d_model = property(lambda self: self.n_embd)
-    n_heads = property(lambda self: self.n_head)
-    n_key_value_heads = property(lambda self: self.n_head)
-    d_head = property(lambda self: self.n_embd // self.n_head)
-    d_mlp = property(lambda self: self.ffn_dim)
-    d_vocab = property(lambda self: self.vocab_size)
-    d_vocab_out = property(lambda self: self.vocab_size)
-    n_ctx = property(lambda self: self.block_size)
+    # TransformerLens's names beyond the shared ones (TransformerLensFields).
     eps = property(lambda self: self.layer_norm_eps)
     act_fn = property(lambda self: "gelu_new")  # TransformerLens's name for the tanh approximation
     normalization_type = property(lambda self: "LN")
     positional_embedding_type = property(lambda self: "standard")
-    gated_mlp = property(lambda self: False)
-    attn_only = property(lambda self: False)
     final_rms = property(lambda self: False)
     original_architecture = property(lambda self: "AlphaErForCausalLM")
-
-    def with_(self, **changes) -> "AlphaErConfig":
-        return replace(self, **changes)
 
     def reference_fields(self) -> dict:
         """The fields the reference config and the checkpoint header carry."""

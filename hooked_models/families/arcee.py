@@ -9,7 +9,7 @@ Reference: transformers `models/arcee/modeling_arcee.py`; the nnterp family page
 """
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -27,13 +27,14 @@ from hooked_models.components import (
     UngatedMLP,
 )
 from hooked_models.components.attention import causal_mask
+from hooked_models.config import TransformerLensFields
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
 
 
 @dataclass
-class ArceeConfig:
+class ArceeConfig(TransformerLensFields):
     """The standardized fields of the family page, plus what the family needs.
 
     TransformerLens's names for the same fields (`n_layers`, `d_model`, ...) are read-only properties.
@@ -67,29 +68,15 @@ class ArceeConfig:
     def qk_head_dim(self) -> int:
         return self.head_dim
 
-    # TransformerLens's field names.
-    n_layers = property(lambda self: self.num_layers)
-    d_model = property(lambda self: self.hidden_size)
-    n_heads = property(lambda self: self.num_heads)
-    n_key_value_heads = property(lambda self: self.num_kv_heads)
-    d_head = property(lambda self: self.head_dim)
-    d_mlp = property(lambda self: self.intermediate_size)
-    d_vocab = property(lambda self: self.vocab_size)
-    d_vocab_out = property(lambda self: self.vocab_size)
-    n_ctx = property(lambda self: self.max_position_embeddings)
+    # TransformerLens's names beyond the shared ones (TransformerLensFields).
     eps = property(lambda self: self.rms_norm_eps)
     act_fn = property(lambda self: "relu2")
     normalization_type = property(lambda self: "RMS")
     positional_embedding_type = property(lambda self: "rotary")
     rotary_base = property(lambda self: self.rope.theta)
     rotary_dim = property(lambda self: self.head_dim)
-    gated_mlp = property(lambda self: False)
-    attn_only = property(lambda self: False)
     final_rms = property(lambda self: True)
     original_architecture = property(lambda self: "ArceeForCausalLM")
-
-    def with_(self, **changes) -> "ArceeConfig":
-        return replace(self, **changes)
 
 
 # arcee-ai/AFM-4.5B: YaRN factor 20 over 4096 original positions, stretched to 65536.
