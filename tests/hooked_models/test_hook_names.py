@@ -63,7 +63,7 @@ def test_transformer_lens_attribution_patch_runs_and_is_right(embedded):
         score = metric(model(corrupt))
     (grad,) = torch.autograd.grad(score, live["layers.1.self_attn.attention_head_outputs"])
     delta = clean_cache["layers.1.self_attn.attention_head_outputs"] - live["layers.1.self_attn.attention_head_outputs"]
-    by_hand = (delta * grad).sum(-1)[0]  # [pos head]
+    by_hand = (delta * grad).sum(-1)[0].detach()  # [pos head]
     scores = {(n.position, n.head): s for n, s in result.node_scores.items()
               if n.kind == "attn_head_out" and n.layer == 1}
     assert len(scores) == by_hand.numel()
