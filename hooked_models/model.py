@@ -50,7 +50,11 @@ class _AliasHook:
 
 class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
     """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py,
-    TransformerLens's model surface from hooked_models/transformer_lens_compat.py."""
+    TransformerLens's model surface from hooked_models/transformer_lens_compat.py.
+
+    A family builds its modules and the root ValueHooks, calls `setup()`, and defines
+    `_logits(tokens, attention_mask)`: the forward between the checked inputs and the `logits` hook.
+    """
 
     tokenizer: Any = None
     # TransformerLens's switch: whether a cache-everything run_with_cache includes per-head results.
@@ -294,9 +298,6 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         if return_type == "both":
             return logits, loss
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, not {return_type!r}")
-
-    def _logits(self, tokens: Int[Tensor, "batch seq"], attention_mask: Tensor | None) -> Tensor:
-        raise NotImplementedError  # each family implements its forward
 
     @staticmethod
     def _next_token_probs(logits: Tensor, attention_mask: Tensor | None) -> Float[Tensor, "batch vocab_size"]:
