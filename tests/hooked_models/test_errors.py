@@ -17,15 +17,6 @@ from hooked_models.hooks import HookWriteError, UnknownHookError
 VOCAB, MAX_POSITIONS = 23, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run several times faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     """A tiny random HookedArcee: errors do not need the oracle, only a model that runs."""

@@ -18,15 +18,6 @@ PROPERTY = settings(max_examples=10, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run several times faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| over max |expected|: the 'relative' of 'within 1e-5 relative'."""
     return float((actual - expected).abs().max() / expected.abs().max())
