@@ -57,18 +57,6 @@ def test_transformers_loads_the_same_model(arcee, prompts):
         torch.testing.assert_close(arcee(prompts.clean_tokens[:64]), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_arcee_does_ioi_on_held_out_prompts(arcee, prompts):
-    with torch.no_grad():
-        clean = logit_difference(arcee(prompts.clean_tokens), prompts)
-        corrupted = logit_difference(arcee(prompts.corrupted_tokens), prompts)
-    assert (clean > 0).float().mean() >= MIN_ACCURACY
-    assert clean.mean() >= MIN_MEAN_LOGIT_DIFF
-    # Moving the repeated name flips the answer: the model reads which name is repeated.
-    assert (corrupted < 0).float().mean() >= MIN_ACCURACY
-    assert corrupted.mean() <= -MIN_MEAN_LOGIT_DIFF
-
-
-# ------------------------------------------------------------------------------------------- alpha-er
 @pytest.fixture(scope="module")
 def alpha_er():
     return HookedAlphaEr.from_pretrained("embedded")
@@ -100,11 +88,14 @@ def test_the_reference_loads_the_same_alpha_er(alpha_er, prompts, reference_alph
         torch.testing.assert_close(alpha_er(prompts.clean_tokens[:64]), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_alpha_er_does_ioi_on_held_out_prompts(alpha_er, prompts):
+@pytest.mark.parametrize("family", ["arcee", "alpha_er"])
+def test_does_ioi_on_held_out_prompts(family, prompts, request):
+    model = request.getfixturevalue(family)
     with torch.no_grad():
-        clean = logit_difference(alpha_er(prompts.clean_tokens), prompts)
-        corrupted = logit_difference(alpha_er(prompts.corrupted_tokens), prompts)
+        clean = logit_difference(model(prompts.clean_tokens), prompts)
+        corrupted = logit_difference(model(prompts.corrupted_tokens), prompts)
     assert (clean > 0).float().mean() >= MIN_ACCURACY
     assert clean.mean() >= MIN_MEAN_LOGIT_DIFF
+    # Moving the repeated name flips the answer: the model reads which name is repeated.
     assert (corrupted < 0).float().mean() >= MIN_ACCURACY
     assert corrupted.mean() <= -MIN_MEAN_LOGIT_DIFF
