@@ -64,6 +64,12 @@ class SelfAttention(HookedModule):
     so an edit to key/value head j reaches query heads j·g … j·g+g−1 (g = num_heads / num_kv_heads).
     """
 
+    # Whether keys and values are laid out contiguously before attention when no key/value cache
+    # holds them. transformers' default forward (use_cache=True) passes them through its cache, a
+    # concatenation, so its attention reads contiguous copies; matmul's rounding can depend on the
+    # layout, so a family that mirrors transformers copies them too (kv heads only: a small copy).
+    contiguous_kv = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, score_mod: nn.Module | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -95,14 +101,15 @@ class SelfAttention(HookedModule):
         if inputs.kv_cache is not None:
             # The hooks above saw the new positions only; attention reads the cached ones too.
             k, v = inputs.kv_cache.extend(self, k, v)
+        elif self.contiguous_kv:
+            k, v = k.contiguous(), v.contiguous()
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         mask = inputs.mask
         if mask is None and seq_q != seq_k:
             # Queries are the last seq_q positions (a key/value cache holds the earlier ones).
             mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
         if self.wants_explicit_scores():
-            k_rep = k.repeat_interleave(self.groups, dim=1) if self.groups > 1 else k
-            v_rep = v.repeat_interleave(self.groups, dim=1) if self.groups > 1 else v
+            k_rep, v_rep = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
             scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.scale
             if self.score_mod is not None:
                 scores = self.score_mod(scores)
@@ -151,8 +158,21 @@ class SelfAttention(HookedModule):
         return 0.0 if bias is None else bias
 
 
+def repeat_kv(x: Float[Tensor, "batch num_kv_heads seq dim"], groups: int) -> Float[Tensor, "batch num_heads seq dim"]:
+    """Each key/value head repeated for its `groups` query heads (query head h reads kv head
+    h // groups), built as transformers' `repeat_kv` builds it (expand, then reshape): with one kv
+    head that is a view with a zero stride, which matmul treats differently from a copy, so only
+    this form gives transformers' eager scores bit for bit."""
+    if groups == 1:
+        return x
+    batch, kv_heads, seq, dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, groups, seq, dim).reshape(batch, kv_heads * groups, seq, dim)
+
+
 class GroupedQueryAttention(SelfAttention):
     """Llama's attention: q, k, v and o projections without bias, rotary on queries and keys."""
+
+    contiguous_kv = True
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)

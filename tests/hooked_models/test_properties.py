@@ -1,7 +1,8 @@
 """Property-based tests over random small configs and inputs, for both families.
 
-For every drawn config and input: the forward equals the reference (transformers' ArceeForCausalLM;
-the transcribed alpha-er reference in tests/conftest.py); the cache identities hold exactly; a
+For every drawn config and input: the forward equals the reference bit for bit (transformers'
+ArceeForCausalLM, "sdpa" for the fused path and "eager" for the explicit one; the transcribed alpha-er
+reference in tests/conftest.py), and so does a cache of every value; the cache identities hold exactly; a
 sequence gives the same logits alone or in a batch, and padded or not; and any input at all either
 runs or is refused with a ValueError, never another exception.
 """
@@ -64,9 +65,9 @@ def alpha_er_configs(draw):
     )
 
 
-def check_cache_identities(model, tokens, mask=None, relu_squared: bool = False):
+def check_cache_identities(model, tokens, mask=None, relu_squared: bool = False) -> torch.Tensor:
     """layer_input + attention_output + mlp_output == layer_output, bit for bit, in every layer
-    (and mlp_neurons == relu(mlp_pre_activation)² for Arcee)."""
+    (and mlp_neurons == relu(mlp_pre_activation)² for Arcee); returns the cached run's logits."""
     logits, cache = model.run_with_cache(tokens, attention_mask=mask)
     for i in range(model.cfg.n_layers):
         total = cache[f"layers.{i}.layer_input"] + cache[f"layers.{i}.self_attn.attention_output"] \
@@ -75,8 +76,12 @@ def check_cache_identities(model, tokens, mask=None, relu_squared: bool = False)
         if relu_squared:
             pre = cache[f"layers.{i}.mlp.mlp_pre_activation"]
             assert torch.equal(cache[f"layers.{i}.mlp.mlp_neurons"], torch.relu(pre) ** 2), f"layer {i}"
-    # Not bit for bit: reading the pattern takes the explicit attention path instead of the fused one.
-    assert relative_error(logits, model(tokens, attention_mask=mask)) < 1e-6
+    return logits
+
+
+def score_hooks(model) -> list:
+    """No-op hooks on every layer's scores: they make attention take its explicit path."""
+    return [(f"layers.{i}.self_attn.attention_scores", lambda scores, hook: None) for i in range(model.cfg.n_layers)]
 
 
 # --------------------------------------------------------------------------------------------- Arcee
@@ -87,8 +92,14 @@ def test_arcee_equals_transformers_and_its_identities_hold(hf_arcee_factory, ove
     model = HookedArcee.from_hf(oracle)
     tokens = draw_tokens(data, overrides["vocab_size"], batch, seq)
     with torch.no_grad():
-        assert relative_error(model(tokens), oracle(tokens).logits) < 1e-5
-        check_cache_identities(model, tokens, relu_squared=True)
+        # The same operations in the same order: the fused path is transformers' "sdpa" model and the
+        # explicit path (taken when a hook reads the scores) its "eager" one, bit for bit; a cache of
+        # every value is the explicit path (reading a value changes no bit).
+        eager = oracle(tokens).logits
+        assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=score_hooks(model)), eager)
+        assert torch.equal(check_cache_identities(model, tokens, relu_squared=True), eager)
+        oracle.set_attn_implementation("sdpa")
+        assert torch.equal(model(tokens), oracle(tokens).logits)
 
 
 @PROPERTY
@@ -109,7 +120,8 @@ def test_arcee_is_batch_width_and_padding_invariant(hf_arcee_factory, overrides,
         batched = model(ids, attention_mask=mask)
         for row, (prompt, span) in enumerate(zip(prompts, spans)):
             assert relative_error(batched[row, span], model(prompt[None])[0]) < 1e-5
-        check_cache_identities(model, ids, mask, relu_squared=True)
+        explicit = model.run_with_hooks(ids, attention_mask=mask, fwd_hooks=score_hooks(model))
+        assert torch.equal(check_cache_identities(model, ids, mask, relu_squared=True), explicit)
 
 
 # ------------------------------------------------------------------------------------------ alpha-er
@@ -122,8 +134,10 @@ def test_alpha_er_equals_the_reference_and_its_identities_hold(reference_alpha_e
     seq = experts * data.draw(st.integers(1, block // experts), label="windows")  # lengths alpha-er computes at
     tokens = draw_tokens(data, overrides["vocab_size"], batch, seq)
     with torch.no_grad():
-        assert relative_error(model(tokens), reference(tokens)) < 1e-5
-        check_cache_identities(model, tokens)
+        # Every step is the reference's own kernel in the reference's order, cached or not: bit for bit.
+        expected = reference(tokens)
+        assert torch.equal(model(tokens), expected)
+        assert torch.equal(check_cache_identities(model, tokens), expected)
 
 
 @PROPERTY
@@ -151,7 +165,7 @@ def test_alpha_er_is_batch_width_and_padding_invariant(reference_alpha_er_factor
             alone = reference(zero_padded)[0, real]  # the reference's generate: pad with 0, read real positions
             assert relative_error(batched[row, real], alone) < 1e-5
             assert relative_error(unmasked[row, real], alone) < 1e-5
-        check_cache_identities(model, ids, mask)
+        assert torch.equal(check_cache_identities(model, ids, mask), batched)
 
 
 # ----------------------------------------------------------------------------------- any input at all
