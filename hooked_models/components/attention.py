@@ -4,7 +4,9 @@ The core takes queries, keys and values already split into heads and does the re
 optional score modifier (alpha-er's soft cap), the mask, softmax, the mix, and the output projection.
 When no hook reads or writes the scores or the pattern, it calls the fused
 `scaled_dot_product_attention`, which never materializes them; otherwise it computes them
-explicitly. Both paths give the same numbers (tests/hooked_models/components/test_attention.py).
+explicitly. They are transformers' "sdpa" and "eager" attention, step for step, so each gives its
+counterpart's numbers bit for bit, and the two agree with each other to float32 rounding
+(tests/hooked_models/components/test_attention.py, tests/hooked_models/families/test_arcee.py).
 """
 
 from dataclasses import dataclass

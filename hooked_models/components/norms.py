@@ -29,12 +29,12 @@ class RMSNorm(HookedModule):
     def forward(self, x: Float[Tensor, "batch seq hidden_size"]) -> Float[Tensor, "batch seq hidden_size"]:
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True) + self.eps
-        normalized = x32 * torch.rsqrt(variance)
+        inverse = torch.rsqrt(variance)
         if self.norm_scale.has_hooks():
             # scale / hooked scale is exactly 1 unless a hook wrote it (the hook gets its own tensor,
             # so an in-place write counts too); multiplying by 1 changes no bit.
-            normalized = normalized * (variance.sqrt() / self.norm_scale(variance.sqrt()))
-        return self.weight * self.norm_normalized(normalized.to(x.dtype))
+            inverse = inverse * (variance.sqrt() / self.norm_scale(variance.sqrt()))
+        return self.weight * self.norm_normalized((x32 * inverse).to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
