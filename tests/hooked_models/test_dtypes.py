@@ -62,3 +62,20 @@ def test_norms_and_softmax_compute_in_float32(tiny_hf_arcee):
     scores = cache["layers.0.self_attn.attention_scores"]
     assert pattern.dtype == scores.dtype == torch.bfloat16
     assert torch.equal(pattern, torch.softmax(scores.float(), dim=-1).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alpha_er_is_the_reference_bit_for_bit_in_half_precision(reference_alpha_er_factory, dtype):
+    """alpha-er in bfloat16 and float16 against the reference cast to the same dtype: the same kernels
+    in the same order, so the same logits, plain or with every value cached."""
+    from hooked_models import HookedAlphaEr
+
+    reference = reference_alpha_er_factory(0).to(dtype)
+    model = HookedAlphaEr.from_reference(reference)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    ids = torch.randint(0, reference.cfg.vocab_size, (2, reference.cfg.block_size),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids)
+        assert torch.equal(model(ids), expected)
+        assert torch.equal(model.run_with_cache(ids)[0], expected)
