@@ -96,22 +96,20 @@ def gemm_floor(hf, tokens):
     numbers runs these, with torch's BLAS, so their time is a floor under any run_with_cache."""
     cfg = hf.config
     batch, seq = tokens.shape
-    heads, head_dim, width = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    weights = [(name, p) for name, p in hf.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
-    generator = torch.Generator().manual_seed(2)
-    inputs = {w.shape[1]: torch.randn(batch, seq, w.shape[1], generator=generator) for _, w in weights}
-    q = torch.randn(batch, heads, seq, head_dim, generator=generator)
-    k, v = torch.randn_like(q), torch.randn_like(q)
+    weights = [p for name, p in hf.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
     lm_head = hf.get_output_embeddings().weight
-    if all(w is not lm_head for _, w in weights):  # tied: the unembedding is the embedding
-        weights.append(("lm_head", lm_head))
+    if all(w is not lm_head for w in weights):  # tied: the unembedding is the embedding
+        weights.append(lm_head)
+    generator = torch.Generator().manual_seed(2)
+    inputs = {w.shape[1]: torch.randn(batch, seq, w.shape[1], generator=generator) for w in weights}
+    q = torch.randn(batch, cfg.num_attention_heads, seq, cfg.head_dim, generator=generator)
+    k, v = torch.randn_like(q), torch.randn_like(q)
 
     def run():
-        for _, w in weights:
+        for w in weights:
             torch.nn.functional.linear(inputs[w.shape[1]], w)
         for _ in range(cfg.num_hidden_layers):
             torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v)
-        return width
 
     return run
 

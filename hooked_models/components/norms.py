@@ -33,7 +33,8 @@ class RMSNorm(HookedModule):
         if self.norm_scale.has_hooks():
             # scale / hooked scale is exactly 1 unless a hook wrote it (the hook gets its own tensor,
             # so an in-place write counts too); multiplying by 1 changes no bit.
-            inverse = inverse * (variance.sqrt() / self.norm_scale(variance.sqrt()))
+            scale = variance.sqrt()
+            inverse = inverse * (scale / self.norm_scale(scale.clone()))
         return self.weight * self.norm_normalized((x32 * inverse).to(x.dtype))
 
     def extra_repr(self) -> str:
