@@ -481,8 +481,7 @@ def activation_patch(
         marks = [(n, lambda a, hook: fired.append(hook.name)) for n in dict.fromkeys(names + layer_outputs)]
         with model.hooks(fwd_hooks=marks):
             base_logits, base_cache = model.run_with_cache(base, names_filter=names + layer_outputs)
-    sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
-    grid, patches = plan(model, sites, over, select, sizes, position_labels)
+    grid, patches = _plan_from_cache(model, sites, cache, over, select, position_labels)
     base_metric = _scalar(metric(base_logits))
     # A patch that writes what is already there changes nothing (positions before the prompts' first
     # difference, say): its metric is the unpatched one, and it needs no forward.
@@ -509,18 +508,24 @@ def activation_patch(
             for row, copy in zip(rows, logits.unflatten(0, (len(chunk), -1))):
                 results[row] = _scalar(metric(copy))
             bar.update(len(chunk))
-    source_metric = float(_scalar(metric(source_logits)))
-    clean_metric, corrupted_metric = ((source_metric, float(base_metric)) if direction == "denoising"
-                                      else (float(base_metric), source_metric))
-    return PatchingResult(
-        values=results.reshape(grid.shape).cpu(),
-        axes=tuple(grid.axes),
-        labels=grid.labels,
-        value=value,
-        direction=direction,
-        clean_metric=clean_metric,
-        corrupted_metric=corrupted_metric,
-    )
+    return _result(results, grid, value, direction, float(base_metric), float(_scalar(metric(source_logits))))
+
+
+def _plan_from_cache(model, sites: list[Site], cache, over, select, position_labels):
+    """`plan` over the sizes the sites' values have in `cache` (the source run's)."""
+    sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
+    return plan(model, sites, over, select, sizes, position_labels)
+
+
+def _result(values: Tensor, grid, value: str, direction: str, base_metric: float, source_metric: float,
+            **fields) -> PatchingResult:
+    """The labelled result; the unpatched runs' metrics named by the direction (denoising patches
+    the corrupted run with the clean one's values, noising the other way)."""
+    clean_metric, corrupted_metric = ((source_metric, base_metric) if direction == "denoising"
+                                      else (base_metric, source_metric))
+    return PatchingResult(values=values.reshape(grid.shape).cpu(), axes=tuple(grid.axes), labels=grid.labels,
+                          value=value, direction=direction, clean_metric=clean_metric,
+                          corrupted_metric=corrupted_metric, **fields)
 
 
 _LAYER_OUTPUT = re.compile(r"layers\.(\d+)\.layer_output")
@@ -629,23 +634,11 @@ def attribution_patch(
     for name, grad in zip(names, grads):
         delta = (cache[name] - seen[name].detach()).float()
         contributions[name] = torch.zeros_like(delta[0]) if grad is None else (grad.float() * delta).sum(0)
-    sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
-    grid, patches = plan(model, sites, over, select, sizes, position_labels)
+    grid, patches = _plan_from_cache(model, sites, cache, over, select, position_labels)
     estimates = torch.stack([_attribution(contributions[p.site], p.index) for p in patches])
     base_metric = float(_scalar(base_metric))
-    source_metric = float(_scalar(metric(source_logits)))
-    clean_metric, corrupted_metric = ((source_metric, base_metric) if direction == "denoising"
-                                      else (base_metric, source_metric))
-    return PatchingResult(
-        values=(base_metric + estimates.cpu()).reshape(grid.shape),
-        axes=tuple(grid.axes),
-        labels=grid.labels,
-        value=value,
-        direction=direction,
-        clean_metric=clean_metric,
-        corrupted_metric=corrupted_metric,
-        method="attribution patching",
-    )
+    return _result(base_metric + estimates.cpu(), grid, value, direction, base_metric,
+                   float(_scalar(metric(source_logits))), method="attribution patching")
 
 
 def _attribution(contribution: Tensor, index: tuple) -> Tensor:
