@@ -46,6 +46,13 @@ def make_hf_arcee(seed: int = 0, **overrides) -> ArceeForCausalLM:
     return randomize_(ArceeForCausalLM(config), seed).eval()
 
 
+@pytest.fixture(scope="session")
+def explicit_attention():
+    """fwd_hooks that send every layer's attention down its explicit path: a hook that reads the
+    scores and writes nothing (a filter on names, so it fits any model)."""
+    return [(lambda name: name.endswith(".attention_scores"), lambda scores, hook: None)]
+
+
 @pytest.fixture
 def hf_arcee_factory():
     return make_hf_arcee

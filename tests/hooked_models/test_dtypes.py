@@ -26,17 +26,15 @@ def rel_error(actual, expected) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_logits_are_transformers_bit_for_bit_in_every_dtype(tmp_path, hf_arcee_factory, dtype):
+def test_logits_are_transformers_bit_for_bit_in_every_dtype(tmp_path, hf_arcee_factory, explicit_attention, dtype):
     path = _checkpoint(tmp_path, hf_arcee_factory)
     model = HookedArcee.from_pretrained(path, dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
     ids = torch.randint(3, 97, (2, 32), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding on one row
-    score_hooks = [(f"layers.{i}.self_attn.attention_scores", lambda t, hook: None)
-                   for i in range(model.cfg.num_layers)]
     for implementation, run in [("sdpa", lambda m: m(ids, attention_mask=mask)),
-                                ("eager", lambda m: m.run_with_hooks(ids, attention_mask=mask, fwd_hooks=score_hooks))]:
+                                ("eager", lambda m: m.run_with_hooks(ids, attention_mask=mask, fwd_hooks=explicit_attention))]:
         hf = ArceeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=implementation).eval()
         with torch.no_grad():
             # Our positions count from each row's first real token; transformers' from 0 unless told.

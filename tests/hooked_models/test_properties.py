@@ -79,15 +79,11 @@ def check_cache_identities(model, tokens, mask=None, relu_squared: bool = False)
     return logits
 
 
-def score_hooks(model) -> list:
-    """No-op hooks on every layer's scores: they make attention take its explicit path."""
-    return [(f"layers.{i}.self_attn.attention_scores", lambda scores, hook: None) for i in range(model.cfg.n_layers)]
-
-
 # --------------------------------------------------------------------------------------------- Arcee
 @PROPERTY
 @given(overrides=arcee_configs(), batch=st.integers(1, 3), seq=st.integers(1, 24), data=st.data())
-def test_arcee_equals_transformers_and_its_identities_hold(hf_arcee_factory, overrides, batch, seq, data):
+def test_arcee_equals_transformers_and_its_identities_hold(hf_arcee_factory, explicit_attention, overrides, batch,
+                                                           seq, data):
     oracle = hf_arcee_factory(seed=data.draw(st.integers(0, 99), label="weights seed"), **overrides)
     model = HookedArcee.from_hf(oracle)
     tokens = draw_tokens(data, overrides["vocab_size"], batch, seq)
@@ -96,7 +92,7 @@ def test_arcee_equals_transformers_and_its_identities_hold(hf_arcee_factory, ove
         # explicit path (taken when a hook reads the scores) its "eager" one, bit for bit; a cache of
         # every value is the explicit path (reading a value changes no bit).
         eager = oracle(tokens).logits
-        assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=score_hooks(model)), eager)
+        assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=explicit_attention), eager)
         assert torch.equal(check_cache_identities(model, tokens, relu_squared=True), eager)
         oracle.set_attn_implementation("sdpa")
         assert torch.equal(model(tokens), oracle(tokens).logits)
@@ -104,7 +100,7 @@ def test_arcee_equals_transformers_and_its_identities_hold(hf_arcee_factory, ove
 
 @PROPERTY
 @given(overrides=arcee_configs(), lengths=st.lists(st.integers(1, 16), min_size=1, max_size=4), data=st.data())
-def test_arcee_is_batch_width_and_padding_invariant(hf_arcee_factory, overrides, lengths, data):
+def test_arcee_is_batch_width_and_padding_invariant(hf_arcee_factory, explicit_attention, overrides, lengths, data):
     """Each prompt alone equals its row in a padded batch, padding on either side with any pad id."""
     model = HookedArcee.from_hf(hf_arcee_factory(seed=1, **overrides))
     vocab = overrides["vocab_size"]
@@ -120,7 +116,7 @@ def test_arcee_is_batch_width_and_padding_invariant(hf_arcee_factory, overrides,
         batched = model(ids, attention_mask=mask)
         for row, (prompt, span) in enumerate(zip(prompts, spans)):
             assert relative_error(batched[row, span], model(prompt[None])[0]) < 1e-5
-        explicit = model.run_with_hooks(ids, attention_mask=mask, fwd_hooks=score_hooks(model))
+        explicit = model.run_with_hooks(ids, attention_mask=mask, fwd_hooks=explicit_attention)
         assert torch.equal(check_cache_identities(model, ids, mask, relu_squared=True), explicit)
 
 

@@ -73,13 +73,12 @@ def test_only_the_hooked_layer_goes_explicit(hf_arcee_factory, count_fused):
         assert len(count_fused) == 2 + 3
 
 
-def test_explicit_path_matches_the_fused_one_in_bfloat16(hf_arcee_factory):
+def test_explicit_path_matches_the_fused_one_in_bfloat16(hf_arcee_factory, explicit_attention):
     model = HookedArcee.from_hf(hf_arcee_factory(seed=5).to(torch.bfloat16))
     ids = tokens(2, 32, model.cfg.vocab_size)
     with torch.no_grad():
         fused = model(ids).float()
-        hooks = [(f"layers.{i}.self_attn.attention_scores", read_only) for i in range(model.cfg.num_layers)]
-        explicit = model.run_with_hooks(ids, fwd_hooks=hooks).float()
+        explicit = model.run_with_hooks(ids, fwd_hooks=explicit_attention).float()
     rel_close(explicit, fused, 2e-2)  # softmax in float32 either way; bf16 rounding differs by kernel
 
 

@@ -43,19 +43,17 @@ def test_float32_logits_match(oracle_and_model):
         rel_close(model(ids), hf(ids).logits, 1e-5)
 
 
-def test_float32_logits_are_transformers_bit_for_bit(oracle_and_model):
+def test_float32_logits_are_transformers_bit_for_bit(oracle_and_model, explicit_attention):
     """The same operations in the same order: the fused path is transformers' "sdpa" model and the
     explicit path (taken when a hook reads the scores) its "eager" one, bit for bit, padded or not."""
     hf, model = oracle_and_model
     ids = tokens(3, 40)
     mask = torch.ones_like(ids)
     mask[1, 30:] = 0  # right padding on one row: positions are the same on both sides
-    score_hooks = [(f"layers.{i}.self_attn.attention_scores", lambda scores, hook: None)
-                   for i in range(model.cfg.num_layers)]
     real = mask.bool()
     with torch.no_grad():
-        assert torch.equal(model.run_with_hooks(ids, fwd_hooks=score_hooks), hf(ids).logits)
-        explicit = model.run_with_hooks(ids, attention_mask=mask, fwd_hooks=score_hooks)
+        assert torch.equal(model.run_with_hooks(ids, fwd_hooks=explicit_attention), hf(ids).logits)
+        explicit = model.run_with_hooks(ids, attention_mask=mask, fwd_hooks=explicit_attention)
         assert torch.equal(explicit[real], hf(ids, attention_mask=mask).logits[real])
         hf.set_attn_implementation("sdpa")
         assert torch.equal(model(ids), hf(ids).logits)
