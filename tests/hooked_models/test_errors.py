@@ -17,22 +17,24 @@ from hooked_models.hooks import HookWriteError, UnknownHookError
 VOCAB, MAX_POSITIONS = 23, 16
 
 
-@pytest.fixture(scope="module")
-def model():
+def random_arcee(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 intermediate_size: int) -> HookedArcee:
     """A tiny random HookedArcee: errors do not need the oracle, only a model that runs."""
     torch.manual_seed(0)
-    cfg = ArceeConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, vocab_size=VOCAB,
-                      intermediate_size=24, max_position_embeddings=MAX_POSITIONS)
-    return HookedArcee(cfg).eval()
+    return HookedArcee(ArceeConfig(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                                   num_kv_heads=num_kv_heads, head_dim=4, vocab_size=VOCAB,
+                                   intermediate_size=intermediate_size, max_position_embeddings=MAX_POSITIONS)).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_arcee(2, hidden_size=16, num_heads=4, num_kv_heads=2, intermediate_size=24)
 
 
 @pytest.fixture(scope="module")
 def model1():
-    """The same with one layer, for the test that runs a thousand times."""
-    torch.manual_seed(0)
-    cfg = ArceeConfig(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=VOCAB,
-                      intermediate_size=8, max_position_embeddings=MAX_POSITIONS)
-    return HookedArcee(cfg).eval()
+    """One layer, for the test that runs a thousand times."""
+    return random_arcee(1, hidden_size=8, num_heads=2, num_kv_heads=1, intermediate_size=8)
 
 
 def random_alpha_er(num_layers: int) -> HookedAlphaEr:
