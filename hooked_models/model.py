@@ -53,7 +53,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     TransformerLens's model surface from hooked_models/transformer_lens_compat.py.
 
     A family builds its modules and the root ValueHooks, calls `setup()`, and defines
-    `_logits(tokens, attention_mask)`: the forward between the checked inputs and the `logits` hook.
+    `_logits(tokens, attention_mask)`: the forward between the checked inputs and the `logits` hook,
+    which embeds and then calls `_run_layers_and_unembed` (the modules `layers`, `norm`, `lm_head`).
     """
 
     tokenizer: Any = None
@@ -245,6 +246,17 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         return self.embed_tokens
 
     # --------------------------------------------------------------------------------- forward
+    def _run_layers_and_unembed(self, x: Tensor, inputs, logits_to_keep: int = 0) -> Tensor:
+        """The end of every family's `_logits`: the layers, the final norm and the unembedding
+        (of the last `logits_to_keep` positions only, when > 0)."""
+        for layer in self.layers:
+            x = layer(x, inputs)
+        x = self.final_norm_output(self.norm(x))
+        if logits_to_keep:
+            # As transformers' logits_to_keep: generation reads one position, not the prompt's vocab_size each.
+            x = x[:, -logits_to_keep:]
+        return self.lm_head_output(self.lm_head(x))
+
     def forward(self, input, attention_mask: Tensor | None = None, return_type: str | None = "logits",
                 past_kv_cache: KeyValueCache | None = None, logits_to_keep: int = 0):
         """Logits [batch seq vocab_size] for tokens [batch seq] (or text, through the tokenizer).

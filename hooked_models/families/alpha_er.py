@@ -220,10 +220,7 @@ class HookedAlphaEr(HookedModel):
         x = x + self.position_embeddings(self.embed_positions(positions).expand(batch, seq, -1))
         # Right padding only: real rows attend exactly as unpadded ones (causal), padding is never read.
         inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device))
-        for layer in self.layers:
-            x = layer(x, inputs)
-        x = self.final_norm_output(self.norm(x))
-        return self.lm_head_output(self.lm_head(x))
+        return self._run_layers_and_unembed(x, inputs)
 
     def _decoder(self, use_cache: bool) -> PaddedWindowDecoder:
         # No cache: the reference's rule reruns the whole padded window at every step.

@@ -156,13 +156,7 @@ class HookedArcee(HookedModel):
         cos, sin = self.rotary_emb(positions, x.dtype)
         inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device), cos=cos, sin=sin,
                                  kv_cache=past_kv_cache)
-        for layer in self.layers:
-            x = layer(x, inputs)
-        x = self.final_norm_output(self.norm(x))
-        if logits_to_keep:
-            # As transformers' logits_to_keep: generation reads one position, not the prompt's vocab_size each.
-            x = x[:, -logits_to_keep:]
-        return self.lm_head_output(self.lm_head(x))
+        return self._run_layers_and_unembed(x, inputs, logits_to_keep)
 
     @classmethod
     def from_hf(cls, hf_model, dtype: torch.dtype | None = None, device=None,
