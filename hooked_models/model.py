@@ -1,6 +1,7 @@
 """The root of every hooked model: names, hooks, the cache, the printout and the forward's edges.
 
-A family subclasses `HookedModel`, builds its modules, calls `setup()`, and implements `_logits`.
+A family subclasses `HookedModel`, builds its modules, calls `setup()`, and implements `_embed` and
+`_attention_inputs`.
 Everything a user touches by name goes through `resolve_hook_name`, which accepts the standard name
 (`layers.0.self_attn.attention_queries`) or the TransformerLens one (`blocks.0.attn.hook_rot_q`) and
 maps the second onto the first: one HookPoint per value, an alias is only a second name.
@@ -52,15 +53,18 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py,
     TransformerLens's model surface from hooked_models/transformer_lens_compat.py.
 
-    A family builds its modules and the root ValueHooks, calls `setup()`, and defines
-    `_logits(tokens, attention_mask)`: the forward between the checked inputs and the `logits` hook,
-    which embeds and then calls `_run_layers_and_unembed` (the modules `layers`, `norm`, `lm_head`).
+    A family builds its modules (`embed_tokens`, `layers`, `norm`, `lm_head`) and the root
+    ValueHooks, calls `setup()`, and defines the two steps of the forward in which families differ:
+    `_embed(tokens, past)`, the residual stream entering the first layer (`past` positions precede
+    the tokens, held by a key/value cache), and `_attention_inputs(batch, seq, attention_mask, device,
+    dtype, past_kv_cache)`, what every layer's attention needs for the call (mask, rotary). The
+    shared `forward` checks the inputs and runs the layers and the unembedding around them.
     """
 
     tokenizer: Any = None
     # TransformerLens's switch: whether a cache-everything run_with_cache includes per-head results.
     cfg_use_attn_result = False
-    # Whether `_logits` takes `past_kv_cache` and `logits_to_keep`: incremental decoding.
+    # Whether the forward takes `past_kv_cache` and `logits_to_keep`: incremental decoding.
     supports_kv_cache = False
 
     def __init__(self):
@@ -246,57 +250,87 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         return self.embed_tokens
 
     # --------------------------------------------------------------------------------- forward
-    def _run_layers_and_unembed(self, x: Tensor, inputs, logits_to_keep: int = 0) -> Tensor:
-        """The end of every family's `_logits`: the layers, the final norm and the unembedding
-        (of the last `logits_to_keep` positions only, when > 0)."""
-        for layer in self.layers:
-            x = layer(x, inputs)
-        x = self.final_norm_output(self.norm(x))
-        if logits_to_keep:
-            # As transformers' logits_to_keep: generation reads one position, not the prompt's vocab_size each.
-            x = x[:, -logits_to_keep:]
-        return self.lm_head_output(self.lm_head(x))
-
-    def forward(self, input, attention_mask: Tensor | None = None, return_type: str | None = "logits",
-                past_kv_cache: KeyValueCache | None = None, logits_to_keep: int = 0):
+    def forward(
+        self,
+        input,
+        attention_mask: Tensor | None = None,
+        return_type: str | None = "logits",
+        *,
+        loss_per_token: bool = False,
+        prepend_bos: bool | None = None,
+        padding_side: str | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        tokens: Tensor | None = None,
+        past_kv_cache: KeyValueCache | None = None,
+        logits_to_keep: int = 0,
+    ):
         """Logits [batch seq vocab_size] for tokens [batch seq] (or text, through the tokenizer).
 
         `attention_mask` marks real tokens with 1 and padding with 0, on either side; each row's
         positions count from its first real token. `return_type` is "logits", "loss" (mean next-token
-        cross-entropy over real tokens), "both" ((logits, loss)) or None. `past_kv_cache` (families
-        with `supports_kv_cache`) holds the earlier positions: `tokens` and `attention_mask` are then
-        the new positions only, and the cache grows by them. `logits_to_keep` > 0 (same families)
-        computes the logits of the last that many positions only, as generation needs: `lm_head_output`,
-        `logits` and `next_token_probs` then cover those positions.
+        cross-entropy over real tokens; [batch seq-1] per token with `loss_per_token`, zero where the
+        next token is padding), "both" ((logits, loss)) or None. Text is tokenized with `prepend_bos`
+        (default True) and padded on `padding_side` (default "right"); both are ignored for token ids.
+
+        TransformerLens's partial runs: `stop_at_layer=k` runs the layers below k only and returns
+        the residual stream entering layer k (`layers.{k}.layer_input`; k = num_layers gives the
+        stream entering the final norm; negative k counts from the end), whatever `return_type`.
+        `start_at_layer=k` takes that stream as `input` ([batch seq hidden_size]) and runs the rest:
+        `tokens=` (needed for a loss) and `attention_mask=` give its tokens and padding. Both are
+        exact: the stream `stop_at_layer=k` returns, fed to `start_at_layer=k`, gives the full run's
+        logits bit for bit.
+
+        `past_kv_cache` (families with `supports_kv_cache`) holds the earlier positions: `tokens` and
+        `attention_mask` are then the new positions only, and the cache grows by them. `logits_to_keep`
+        > 0 (same families) computes the logits of the last that many positions only, as generation
+        needs: `lm_head_output`, `logits` and `next_token_probs` then cover those positions.
         """
-        tokens, attention_mask = self._prepare_inputs(input, attention_mask)
-        extra = {}
+        start, stop = self._layer_range(start_at_layer, stop_at_layer)
+        if start_at_layer is None:
+            if tokens is not None:
+                raise ValueError("tokens= goes with start_at_layer (the input is then the residual stream); "
+                                 "pass the tokens as the input")
+            tokens, attention_mask = self._prepare_inputs(input, attention_mask, prepend_bos, padding_side)
+            residual, (batch, seq) = None, tokens.shape
+        else:
+            residual, tokens, attention_mask = self._prepare_residual(input, tokens, attention_mask, start_at_layer)
+            batch, seq = residual.shape[:2]
+        if return_type in ("loss", "both") and tokens is None and stop is None:
+            raise ValueError(f"return_type={return_type!r} needs the tokens: pass tokens= with start_at_layer")
         if past_kv_cache is not None:
             if not self.supports_kv_cache:
                 raise ValueError(f"{type(self).__name__} does not support a key/value cache")
-            if past_kv_cache.length + tokens.shape[1] > self.max_positions:
-                raise ValueError(f"{past_kv_cache.length} cached + {tokens.shape[1]} new positions exceed "
+            if past_kv_cache.length + seq > self.max_positions:
+                raise ValueError(f"{past_kv_cache.length} cached + {seq} new positions exceed "
                                  f"the model's {self.max_positions} positions")
-            extra["past_kv_cache"] = past_kv_cache
         if logits_to_keep:
             if not self.supports_kv_cache:
                 raise ValueError(f"{type(self).__name__} does not support logits_to_keep")
             if return_type not in ("logits", None):
                 raise ValueError(f"return_type={return_type!r} needs every position's logits; "
                                  "drop logits_to_keep")
-            extra["logits_to_keep"] = logits_to_keep
-        tokens = self.input_ids(tokens)
-        if self.input_ids.has_hooks():  # a hook may have written ids the embedding cannot look up
-            self._check_token_ids(tokens, "a hook on input_ids wrote token id")
+        if tokens is not None:
+            tokens = self.input_ids(tokens)
+            if self.input_ids.has_hooks():  # a hook may have written ids the embedding cannot look up
+                self._check_token_ids(tokens, "a hook on input_ids wrote token id")
         if attention_mask is None and self.attention_mask.has_hooks():
-            attention_mask = torch.ones_like(tokens)
+            attention_mask = torch.ones(batch, seq, dtype=torch.long, device=self.cfg.device if tokens is None
+                                        else tokens.device)
         if attention_mask is not None:
             attention_mask = self.attention_mask(attention_mask)
             if self.attention_mask.has_hooks():
                 self._check_mask_values(attention_mask, "a hook on attention_mask wrote a mask that")
         if self.input_size.has_hooks():
-            self.input_size(torch.tensor(tuple(tokens.shape)))
-        logits = self.logits(self._logits(tokens, attention_mask, **extra))
+            self.input_size(torch.tensor((batch, seq)))
+        past = 0 if past_kv_cache is None else past_kv_cache.length
+        x = self._embed(tokens, past) if residual is None else residual
+        inputs = self._attention_inputs(batch, seq, attention_mask, x.device, x.dtype, past_kv_cache)
+        for layer in self.layers[start:stop]:
+            x = layer(x, inputs)
+        if stop is not None:
+            return x
+        logits = self.logits(self._unembed(x, logits_to_keep))
         if self.next_token_probs.has_hooks():
             kept = attention_mask if attention_mask is None else attention_mask[:, -logits.shape[1]:]
             self.next_token_probs(self._next_token_probs(logits, kept))
@@ -304,12 +338,56 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             return None
         if return_type == "logits":
             return logits
-        loss = self.loss(logits, tokens, attention_mask)
+        loss = self.loss(logits, tokens, attention_mask, per_token=loss_per_token)
         if return_type == "loss":
             return loss
         if return_type == "both":
             return logits, loss
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, not {return_type!r}")
+
+    def _unembed(self, x: Float[Tensor, "batch seq hidden_size"], logits_to_keep: int = 0) -> Tensor:
+        """The final norm and the unembedding (of the last `logits_to_keep` positions only, when > 0)."""
+        x = self.final_norm_output(self.norm(x))
+        if logits_to_keep:
+            # As transformers' logits_to_keep: generation reads one position, not the prompt's vocab_size each.
+            x = x[:, -logits_to_keep:]
+        return self.lm_head_output(self.lm_head(x))
+
+    def _layer_range(self, start_at_layer: int | None, stop_at_layer: int | None) -> tuple[int, int | None]:
+        """(first layer to run, layer to stop before or None for all): TransformerLens's arguments,
+        checked, negative values counted from the end."""
+        n = self.cfg.num_layers
+        bounds = {}
+        for name, layer in (("start_at_layer", start_at_layer), ("stop_at_layer", stop_at_layer)):
+            if layer is None:
+                continue
+            if isinstance(layer, bool) or not isinstance(layer, int) or not -n <= layer <= n:
+                raise ValueError(f"{name}={layer!r} must be an integer layer index in [{-n}, {n}] "
+                                 f"(the model has {n} layers; negative counts from the end)")
+            bounds[name] = layer % n if layer < 0 else layer
+        start, stop = bounds.get("start_at_layer", 0), bounds.get("stop_at_layer")
+        if stop is not None and stop < start:
+            raise ValueError(f"stop_at_layer={stop_at_layer} comes before start_at_layer={start_at_layer}")
+        return start, stop
+
+    def _prepare_residual(self, input, tokens, attention_mask, start_at_layer):
+        """(residual, tokens or None, mask) for a run that starts at a layer, checked."""
+        if not isinstance(input, Tensor) or input.ndim != 3 or not input.is_floating_point():
+            got = f"shape {tuple(input.shape)} {input.dtype}" if isinstance(input, Tensor) else type(input).__name__
+            raise ValueError(f"with start_at_layer={start_at_layer} the input is the residual stream "
+                             f"[batch seq hidden_size] (floating point), not {got}")
+        if input.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"the residual stream has width {input.shape[-1]}, but the model's hidden_size is "
+                             f"{self.cfg.hidden_size}")
+        if tokens is not None:
+            tokens, attention_mask = self._prepare_inputs(tokens, attention_mask)
+            if tuple(tokens.shape) != tuple(input.shape[:2]):
+                raise ValueError(f"tokens have shape {tuple(tokens.shape)}, but the residual stream is "
+                                 f"{tuple(input.shape[:2])} positions")
+        else:
+            self._check_sequence(input.shape[1], attention_mask)
+            attention_mask = self._checked_mask(attention_mask, tuple(input.shape[:2]), input.device)
+        return input, tokens, attention_mask
 
     @staticmethod
     def _next_token_probs(logits: Tensor, attention_mask: Tensor | None) -> Float[Tensor, "batch vocab_size"]:
@@ -323,22 +401,29 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         return last.float().softmax(-1)
 
     @staticmethod
-    def loss(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy, over positions whose next token is real."""
+    def loss(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None, per_token: bool = False) -> Tensor:
+        """Mean next-token cross-entropy, over positions whose next token is real; with `per_token`,
+        each position's [batch seq-1], zero where it or the next token is padding (TransformerLens's)."""
         losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
-        if attention_mask is None:
+        losses = losses.view(tokens.shape[0], -1)
+        keep = None if attention_mask is None else (attention_mask[:, 1:] * attention_mask[:, :-1]).to(losses.dtype)
+        if per_token:
+            return losses if keep is None else losses * keep
+        if keep is None:
             return losses.mean()
-        keep = (attention_mask[:, 1:] * attention_mask[:, :-1]).flatten().to(losses.dtype)
         return (losses * keep).sum() / keep.sum()
 
     @property
     def max_positions(self) -> int:
         return self.cfg.n_ctx
 
-    def _prepare_inputs(self, input, attention_mask):
-        """Tokens and mask, checked: a clear ValueError for anything the model cannot run."""
+    def _prepare_inputs(self, input, attention_mask, prepend_bos: bool | None = None,
+                        padding_side: str | None = None):
+        """Tokens and mask, checked: a clear ValueError for anything the model cannot run. Text is
+        tokenized with `prepend_bos` (default True) and padded on `padding_side` (default "right")."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
-            tokens, mask = self.to_tokens(input, return_mask=True)
+            tokens, mask = self.to_tokens(input, prepend_bos=True if prepend_bos is None else prepend_bos,
+                                          padding_side=padding_side or "right", return_mask=True)
             attention_mask = mask if attention_mask is None else attention_mask
             input = tokens
         if not isinstance(input, Tensor):
@@ -351,17 +436,26 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         if tokens.numel() == 0:
             raise ValueError(f"tokens are empty (shape {tuple(tokens.shape)}); give at least one token")
         self._check_token_ids(tokens, "token id")
-        if tokens.shape[1] > self.max_positions:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's {self.max_positions} positions")
-        if attention_mask is not None:
-            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(tokens.shape):
-                shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
-                raise ValueError(f"attention_mask has shape {shape}, but the tokens are {tuple(tokens.shape)}")
-            self._check_mask_values(attention_mask, "attention_mask")
-            if bool((attention_mask.sum(-1) == 0).any()):
-                raise ValueError("attention_mask has a row with no real token (all zeros)")
-            attention_mask = attention_mask.to(device=tokens.device, dtype=torch.long)  # bool and float masks too
+        attention_mask = self._checked_mask(attention_mask, tuple(tokens.shape), tokens.device)
+        self._check_sequence(tokens.shape[1], attention_mask)
         return tokens.long(), attention_mask  # uint8 and int16 ids too: the forward's annotations say signed
+
+    def _check_sequence(self, seq: int, attention_mask: Tensor | None) -> None:
+        """A ValueError unless the model computes at this length with this padding (families add rules)."""
+        if seq > self.max_positions:
+            raise ValueError(f"sequence length {seq} exceeds the model's {self.max_positions} positions")
+
+    def _checked_mask(self, attention_mask, shape: tuple[int, ...], device) -> Tensor | None:
+        """The mask as long ids of 0 and 1, of the inputs' [batch seq] shape, with a real token per row."""
+        if attention_mask is None:
+            return None
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
+            raise ValueError(f"attention_mask has shape {got}, but the tokens are {shape}")
+        self._check_mask_values(attention_mask, "attention_mask")
+        if bool((attention_mask.sum(-1) == 0).any()):
+            raise ValueError("attention_mask has a row with no real token (all zeros)")
+        return attention_mask.to(device=device, dtype=torch.long)  # bool and float masks too
 
     def _check_token_ids(self, tokens: Tensor, what: str) -> Tensor:
         # Checked here because nn.Embedding's IndexError (or a device assert on GPU) names neither.

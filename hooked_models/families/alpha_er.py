@@ -201,26 +201,22 @@ class HookedAlphaEr(HookedModel):
                              f"expert of position t is floor(t·{cfg.mlp_experts}/T), so the model reproduces "
                              f"its training behaviour only at such lengths; {todo}")
 
-    def _prepare_inputs(self, input, attention_mask):
-        if isinstance(input, Tensor) and input.ndim == 2:
-            self.check_length(input.shape[1])  # before the generic length check, for the better message
-        tokens, attention_mask = super()._prepare_inputs(input, attention_mask)
-        self.check_length(tokens.shape[1])
+    def _check_sequence(self, seq: int, attention_mask: Tensor | None) -> None:
+        self.check_length(seq)
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("alpha-er routes and embeds by position, so padding must be on the right "
                              "(an attention_mask of ones, then zeros)")
-        return tokens, attention_mask
 
-    def _logits(
-        self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None
-    ) -> Float[Tensor, "batch seq vocab_size"]:
+    def _embed(self, tokens: Int[Tensor, "batch seq"], past: int) -> Float[Tensor, "batch seq hidden_size"]:
         batch, seq = tokens.shape
-        positions = torch.arange(seq, device=tokens.device)
+        positions = torch.arange(past, past + seq, device=tokens.device)
         x = self.token_embeddings(self.embed_tokens(tokens))
-        x = x + self.position_embeddings(self.embed_positions(positions).expand(batch, seq, -1))
+        return x + self.position_embeddings(self.embed_positions(positions).expand(batch, seq, -1))
+
+    def _attention_inputs(self, batch: int, seq: int, attention_mask: Int[Tensor, "batch seq"] | None, device,
+                          dtype: torch.dtype, past_kv_cache=None) -> AttentionInputs:
         # Right padding only: real rows attend exactly as unpadded ones (causal), padding is never read.
-        inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device))
-        return self._run_layers_and_unembed(x, inputs)
+        return AttentionInputs(mask=causal_mask(attention_mask, seq, device))
 
     def _decoder(self, use_cache: bool) -> PaddedWindowDecoder:
         # No cache: the reference's rule reruns the whole padded window at every step.

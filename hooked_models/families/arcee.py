@@ -141,22 +141,20 @@ class HookedArcee(HookedModel):
             pairs.append((layer.post_attention_layernorm, [layer.mlp.up_proj]))
         return pairs
 
-    def _logits(
-        self, tokens: Int[Tensor, "batch seq"], attention_mask: Int[Tensor, "batch seq"] | None,
-        past_kv_cache: KeyValueCache | None = None, logits_to_keep: int = 0,
-    ) -> Float[Tensor, "batch _ vocab_size"]:
-        batch, seq = tokens.shape
-        x = self.token_embeddings(self.embed_tokens(tokens))
+    def _embed(self, tokens: Int[Tensor, "batch seq"], past: int) -> Float[Tensor, "batch seq hidden_size"]:
+        return self.token_embeddings(self.embed_tokens(tokens))
+
+    def _attention_inputs(self, batch: int, seq: int, attention_mask: Int[Tensor, "batch seq"] | None, device,
+                          dtype: torch.dtype, past_kv_cache: KeyValueCache | None = None) -> AttentionInputs:
         total = seq
         if past_kv_cache is not None:
             # The mask and positions now span the cached positions too; the new ones are the last.
             total = past_kv_cache.length + seq
-            attention_mask = past_kv_cache.extend_mask(attention_mask, batch, seq, tokens.device)
-        positions = positions_from_mask(attention_mask, batch, total, tokens.device)[:, total - seq:]
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        inputs = AttentionInputs(mask=causal_mask(attention_mask, seq, tokens.device), cos=cos, sin=sin,
-                                 kv_cache=past_kv_cache)
-        return self._run_layers_and_unembed(x, inputs, logits_to_keep)
+            attention_mask = past_kv_cache.extend_mask(attention_mask, batch, seq, device)
+        positions = positions_from_mask(attention_mask, batch, total, device)[:, total - seq:]
+        cos, sin = self.rotary_emb(positions, dtype)
+        return AttentionInputs(mask=causal_mask(attention_mask, seq, device), cos=cos, sin=sin,
+                               kv_cache=past_kv_cache)
 
     @classmethod
     def from_hf(cls, hf_model, dtype: torch.dtype | None = None, device=None,
