@@ -25,8 +25,13 @@ from hooked_models.cache import HookedActivationCache
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.generation import GenerationMixin
 from hooked_models.hooks import HookedModule, UnknownHookError, ValueHook, check_hook_write
+from hooked_models.saes import SAEMixin
 from hooked_models.transformer_lens_compat import TransformerLensModel
 from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
+
+
+# Position axis marker for a spliced SAE's HookPoints: the axis after the batch, whatever their rank.
+_SECOND_AXIS = "second"
 
 
 class _AliasHook:
@@ -49,9 +54,10 @@ class _AliasHook:
         return self.value.from_tl(out)
 
 
-class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
+class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
     """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py,
-    TransformerLens's model surface from hooked_models/transformer_lens_compat.py.
+    TransformerLens's model surface from hooked_models/transformer_lens_compat.py, SAE splicing
+    (`add_sae`, `run_with_saes`, ...) from hooked_models/saes.py.
 
     A family builds its modules (`embed_tokens`, `layers`, `norm`, `lm_head`) and the root
     ValueHooks, calls `setup()`, and defines the two steps of the forward in which families differ:
@@ -92,6 +98,13 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             if tl_host is not None:
                 self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
         self._tl_fallback_aliases()
+        # HookPoints under a value (a spliced SAE's) answer under each of its names too.
+        for name in self.standard_hook_dict:
+            parent, _, leaf = name.rpartition(".")
+            if not isinstance(self.standard_hook_dict.get(parent), ValueHook):
+                continue
+            for alias in [a for a, c in self.aliases.items() if c == parent]:
+                self.aliases[f"{alias}.{leaf}"] = name
         self._alias_names: dict[str, list[str]] = {}
         for alias, canonical in self.aliases.items():
             self._alias_names.setdefault(canonical, []).append(alias)
@@ -104,8 +117,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             return name, None
         if name in self.aliases:
             canonical = self.aliases[name]
-            value = self.standard_hook_dict[canonical].value
-            return canonical, value if value.tl_layout else None
+            value = getattr(self.standard_hook_dict[canonical], "value", None)
+            return canonical, value if value is not None and value.tl_layout else None
         raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
 
     def _name_hint(self, name: str) -> str:
@@ -185,6 +198,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
 
         def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | None):
             stored = tensor.detach()
+            if seq_axis == _SECOND_AXIS:  # a spliced SAE's [batch pos ...]
+                seq_axis = 1 - stored.ndim
             if device is not None:
                 stored = stored.to(device)
             if remove_batch_dim and stored.ndim > 0 and stored.shape[0] == 1:
@@ -197,7 +212,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         for name, point in self.standard_hook_dict.items():
             if not selected(name):
                 continue
-            seq_axis = point.value.seq_axis if isinstance(point, ValueHook) else None
+            if isinstance(point, ValueHook):
+                seq_axis = point.value.seq_axis
+            else:
+                parent = self.standard_hook_dict.get(name.rpartition(".")[0])
+                seq_axis = _SECOND_AXIS if isinstance(parent, ValueHook) else None
             fwd.append((name, partial(save, name=name, seq_axis=seq_axis)))
             if incl_bwd:
                 bwd.append((name, partial(save, name=name + "_grad", seq_axis=seq_axis)))
