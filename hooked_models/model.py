@@ -36,15 +36,18 @@ _SECOND_AXIS = "second"
 
 class _AliasHook:
     """A user's hook added under a TransformerLens name: it sees that name and that layout,
-    and what it returns is mapped back to the standard layout."""
+    and what it returns is mapped back to the standard layout. (A HookPoint that carries no value,
+    a spliced SAE's, has one layout: the hook only sees the name.)"""
 
-    def __init__(self, fn: Callable, alias: str, value: Value):
+    def __init__(self, fn: Callable, alias: str, value: Value | None):
         self.fn, self.alias, self.value = fn, alias, value
 
     def __repr__(self) -> str:
         return repr(self.fn)
 
     def __call__(self, tensor: Tensor, *, hook: HookPoint):
+        if self.value is None:
+            return self.fn(tensor, hook=_AliasedHookPoint(self.alias, hook))
         given = self.value.to_tl(tensor)
         out = self.fn(given, hook=_AliasedHookPoint(self.alias, hook))
         if out is None:
@@ -159,7 +162,7 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
     def _wrap_for_alias(self, hook: Callable, canonical: str, alias: str | None) -> Callable:
         if alias is None:
             return hook
-        return _AliasHook(hook, alias, self.standard_hook_dict[canonical].value)
+        return _AliasHook(hook, alias, getattr(self.standard_hook_dict[canonical], "value", None))
 
     # ----------------------------------------------------------------------------------- hooks
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:
@@ -196,7 +199,7 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
             raise ValueError(f"names_filter must be a name, a list of names or a function, not {names_filter!r}")
         self.is_caching = True
 
-        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | None):
+        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | str | None):
             stored = tensor.detach()
             if seq_axis == _SECOND_AXIS:  # a spliced SAE's [batch pos ...]
                 seq_axis = 1 - stored.ndim

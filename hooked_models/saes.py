@@ -20,7 +20,7 @@ position flattened, so a head value's width is heads x head_dim in TransformerLe
 the same for either name: an SAE trained at `blocks.0.attn.hook_v` splices at
 `layers.0.self_attn.attention_values` too (whose standard layout, [batch kv_head seq d], is converted).
 SAELens's hook_z SAEs that flatten their own input (`reshape_activations="hook_z"`) are given
-[batch pos head d_head]. The output is cast back to the value's dtype and laid out as the value was.
+[batch pos head d_head]. The output is cast back to the value's dtype.
 
 Error term. With `use_error_term=True` the output is recons + error, error = value − the SAE's
 reconstruction with its hooks off (SAELens's definition), written as value − (clean − recons) −
@@ -130,9 +130,7 @@ class _Splice:
         if tuple(out.shape[:2]) != tuple(tl_shape[:2]) or out.shape[2:].numel() != tl_shape[2:].numel():
             raise ValueError(f"the SAE on {self.point.name!r} returned shape {tuple(out.shape)}; the value it "
                              f"replaces is {tuple(tl_shape)} in TransformerLens's layout")
-        out = self.value.from_tl(out.reshape(tl_shape)).to(like.dtype)
-        # Laid out as the value was: downstream matmuls round by layout, so a bit-exact splice keeps it.
-        return out if out.stride() == like.stride() else torch.empty_like(like).copy_(out)
+        return self.value.from_tl(out.reshape(tl_shape)).to(like.dtype)
 
     # ---------------------------------------------------------------------------- attach/detach
     def attach(self) -> None:
