@@ -272,3 +272,21 @@ def _tl_dims(value: Value) -> tuple[str, ...]:
     """A value's dimensions in TransformerLens's layout."""
     source, target = (side.split() for side in value.tl_layout.split("->"))
     return tuple(value.dims[source.index(name)] for name in target)
+
+
+def cache_activations_runner(model, cfg, override_dataset=None):
+    """SAELens's `CacheActivationsRunner` around a hooked model (SAELens must be installed).
+
+    The runner loads its model by name (`cfg.model_class_name`, `cfg.model_name`) and, unlike the
+    training runner, takes no `override_model`; this builds SAELens's own runner with `model` as that
+    model (its loader answers with it while the constructor runs) and leaves the rest to SAELens:
+    `cache_activations_runner(model, cfg, dataset).run()` writes the activations at `cfg.hook_name`.
+    """
+    import sae_lens.cache_activations_runner as runner_module
+
+    loader = runner_module.load_model
+    runner_module.load_model = lambda *args, **kwargs: model
+    try:
+        return runner_module.CacheActivationsRunner(cfg, override_dataset=override_dataset)
+    finally:
+        runner_module.load_model = loader
