@@ -444,8 +444,7 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
         """Tokens and mask, checked: a clear ValueError for anything the model cannot run. Text is
         tokenized with `prepend_bos` (default True) and padded on `padding_side` (default "right")."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
-            tokens, mask = self.to_tokens(input, prepend_bos=True if prepend_bos is None else prepend_bos,
-                                          padding_side=padding_side or "right", return_mask=True)
+            tokens, mask = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side, return_mask=True)
             attention_mask = mask if attention_mask is None else attention_mask
             input = tokens
         if not isinstance(input, Tensor):
@@ -504,10 +503,15 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
             )
         return self.tokenizer
 
-    def to_tokens(self, input, prepend_bos: bool = True, padding_side: str = "right",
+    def to_tokens(self, input, prepend_bos: bool | None = True, padding_side: str | None = "right",
                   return_mask: bool = False, move_to_device: bool = True, truncate: bool = True):
-        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`."""
+        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`.
+        None means the default for either (as TransformerLens, whose callers pass None through)."""
         tokenizer = self._require_tokenizer()
+        prepend_bos = True if prepend_bos is None else prepend_bos
+        padding_side = padding_side or "right"
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
         texts = [input] if isinstance(input, str) else list(input)
         encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         bos = getattr(tokenizer, "bos_token_id", None)
