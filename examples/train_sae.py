@@ -87,6 +87,10 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="a directory to save the SAE to (SAELens's format)")
     parser.set_defaults(prompts=64)
     args = parser.parse_args()
+    try:
+        import sae_lens  # noqa: F401
+    except ImportError:
+        parser.error("SAELens is not installed: pip install -e '.[sae]' (it needs TransformerLens 3.x)")
 
     start = time.perf_counter()
     torch.manual_seed(args.seed)
