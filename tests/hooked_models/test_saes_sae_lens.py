@@ -11,6 +11,9 @@ import torch
 
 sae_lens = pytest.importorskip("sae_lens", reason="SAELens is not installed (pip install -e '.[sae]')")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# SAELens warns, rightly, that these datasets are tiny (several epochs) and that its overrides are not
+# reproducible from its configuration alone.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:sae_lens")
 
 from datasets import Dataset  # noqa: E402  (SAELens brings datasets)
 from sae_lens import (  # noqa: E402
