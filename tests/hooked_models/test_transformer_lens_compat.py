@@ -347,6 +347,15 @@ def test_run_with_cache_incl_bwd_gives_the_gradients(tl_model):
     torch.testing.assert_close(seen["grad"], grads[1], **close)
 
 
+def test_incl_bwd_of_logits_says_to_pass_the_loss(tl_model):
+    """TransformerLens backpropagates what the model returns, so incl_bwd needs a scalar: the error says
+    which call works, and no hook is left behind."""
+    with pytest.raises(ValueError, match=r'returned a tensor of shape \(2, 8, \d+\); pass return_type="loss".*'
+                                         r'run_with_cache\(tokens, return_type="loss", incl_bwd=True\)'):
+        tl_model.run_with_cache(tokens_for(tl_model), incl_bwd=True)
+    assert not any(p.fwd_hooks or p.bwd_hooks for p in tl_model.standard_hook_dict.values())
+
+
 def test_attribution_patching_agrees_with_patching_for_small_edits(tl_model):
     model = tl_model
     tokens = tokens_for(model, seed=1)
