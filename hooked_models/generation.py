@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from hooked_models.components.kv_cache import KeyValueCache
-from hooked_models.progress import tqdm
 
 RETURN_TYPES = ("input", "tokens", "str")
 

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from hooked_models.devices import cuda_devices, parameter_placement, resolve_device, spread_layers
 from hooked_models.dtypes import dtype_name, resolve_dtype
-from hooked_models.progress import tqdm
 from hooked_models.components.rotary import ROPE_TYPES, RopeConfig
 from hooked_models.families.arcee import ArceeConfig, HookedArcee
 from weight_conversion.checkpoint import (
