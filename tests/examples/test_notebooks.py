@@ -60,4 +60,4 @@ def test_notebook_runs_as_committed(path):
     assert not warnings, f"{path.name} printed to stderr: {warnings}"
     assert images(fresh) == images(committed)
     for index, (now, then) in enumerate(zip(printed(fresh), printed(committed))):
-        assert same_text(now, then), f"{path.name}, code cell {index + 1}: prints\n{now}\nbut the committed copy shows\n{then}"
+        assert same_text(now, then), f"{path.name}, cell {index + 1} prints\n{now}\nbut the committed copy shows\n{then}"

@@ -82,15 +82,16 @@ ORACLES: dict[str, dict[str, Oracle]] = {
         "layers.{i}.layer_input": Oracle("model.layers[i]'s input hidden_states"),
         **_rms_norm("layers.{i}.input_layernorm.", "layers[i].input_layernorm"),
         "layers.{i}.attention_norm_output": Oracle("layers[i].input_layernorm's output"),
-        "layers.{i}.self_attn.attention_queries_unrotated": Oracle("layers[i].self_attn.q_proj's output, split into heads"),
-        "layers.{i}.self_attn.attention_keys_unrotated": Oracle("layers[i].self_attn.k_proj's output, split into heads"),
+        "layers.{i}.self_attn.attention_queries_unrotated": Oracle("layers[i].self_attn.q_proj's output, in heads"),
+        "layers.{i}.self_attn.attention_keys_unrotated": Oracle("layers[i].self_attn.k_proj's output, in heads"),
         "layers.{i}.self_attn.attention_queries": Oracle(ATTN_FN + "query argument (after rotary)"),
         "layers.{i}.self_attn.attention_keys": Oracle(ATTN_FN + "key argument (after rotary, before repeat_kv)"),
         "layers.{i}.self_attn.attention_values": Oracle(ATTN_FN + "value argument (before repeat_kv)"),
         "layers.{i}.self_attn.attention_scores": Oracle(
             "eager attention's q·kᵀ·scaling + mask (masked entries read as -inf, TransformerLens's convention; "
             "transformers adds finfo.min)"),
-        "layers.{i}.self_attn.attention_probabilities": Oracle("eager attention's weights (output_attentions)"),
+        "layers.{i}.self_attn.attention_probabilities": Oracle(
+            "eager attention's softmax weights, what transformers returns as output_attentions (pinned by a test)"),
         "layers.{i}.self_attn.attention_head_outputs": Oracle(ATTN_FN + "output (per head, before o_proj)"),
         "layers.{i}.self_attn.attention_premix": Oracle("layers[i].self_attn.o_proj's input, split into heads"),
         "layers.{i}.self_attn.attention_head_results": Oracle(
@@ -150,7 +151,7 @@ ORACLES["alpha_er"] = {
     "layers.{i}.self_attn.attention_queries": Oracle(STEP + "q of qkv(ln1(x)).split, split into heads"),
     "layers.{i}.self_attn.attention_keys": Oracle(STEP + "k of qkv(ln1(x)).split, split into heads"),
     "layers.{i}.self_attn.attention_values": Oracle(STEP + "v of qkv(ln1(x)).split, split into heads"),
-    "layers.{i}.self_attn.score_mod.attention_raw_scores": Oracle(STEP + "(q @ kᵀ)·(1/sqrt(head_dim)), before the cap"),
+    "layers.{i}.self_attn.score_mod.attention_raw_scores": Oracle(STEP + "(q @ kᵀ)·(1/sqrt(head_dim)), uncapped"),
     "layers.{i}.self_attn.attention_scores": Oracle(STEP + "tanh(s/cap)·cap, masked_fill(-inf)"),
     "layers.{i}.self_attn.attention_probabilities": Oracle(STEP + "softmax of the masked scores"),
     "layers.{i}.self_attn.attention_head_outputs": Oracle(STEP + "softmax(scores) @ v, heads on the third axis"),
@@ -390,7 +391,6 @@ class ArceeReference:
 
     def __init__(self, hf):
         self.hf, self.probe = hf, Probe()
-        self.attentions = None  # transformers' own record of the pattern (output_attentions), eager runs
         self.heads, self.kv_heads = hf.config.num_attention_heads, hf.config.num_key_value_heads
         self.handles = []
         base = hf.model
@@ -486,10 +486,9 @@ class ArceeReference:
             kwargs = dict(attention_mask=attention_mask, position_ids=positions_over_real_tokens(attention_mask))
         try:
             self.probe("input_size", torch.tensor(tuple(ids.shape)))
-            output = self.hf(ids, output_attentions=eager, **kwargs)
+            output = self.hf(ids, **kwargs)
             logits = self.probe("logits", output.logits)
             self.probe("next_token_probs", last_real_probs(logits, attention_mask))
-            self.attentions = output.attentions
             return logits
         finally:
             self.probe = Probe()
@@ -592,7 +591,8 @@ class AlphaErReference:
         x = at(p + "layer_mid", x + at(p + "self_attn.attention_output", attn_out))
         G = blk.cfg.mlp_experts
         S = T // G
-        m = at(p + "mlp_input", at(p + "mlp_norm_output", self.module_norm(p + "post_attention_layernorm.", blk.ln2, x)))
+        m = at(p + "mlp_norm_output", self.module_norm(p + "post_attention_layernorm.", blk.ln2, x))
+        m = at(p + "mlp_input", m)
         at(p + "mlp.mlp_expert_index", (torch.arange(T, device=x.device) // S).expand(B, T))
         b = m.view(B, G, S, d)
         expert_layout = (dense, lambda full: own_slices(full, G))
