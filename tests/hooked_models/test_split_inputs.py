@@ -21,27 +21,6 @@ def tokens(model, batch=2, seed=0):
     return torch.randint(3, model.cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def projected(model, layer: int, part: str) -> str:
-    """The value holding one part's per-head projections, before rotary where the family has it."""
-    base = {"q": "attention_queries", "k": "attention_keys", "v": "attention_values"}[part]
-    name = f"layers.{layer}.self_attn.{base}"
-    return name + "_unrotated" if part != "v" and name + "_unrotated" in model.hook_dict else name
-
-
-def reference_heads(model, layer: int, part: str, stream: torch.Tensor) -> torch.Tensor:
-    """An independent computation: `part` of every head for the whole `stream` [batch seq hidden]
-    through input_layernorm and the attention's own projection, [batch heads seq head_dim]."""
-    block = model.layers[layer]
-    attn = block.self_attn
-    x = block.input_layernorm(stream)
-    batch, seq, _ = x.shape
-    if hasattr(attn, "qkv_proj"):  # alpha-er: one factored projection, q, k, v in that order
-        out = attn.qkv_proj(x).split(attn.num_heads * attn.head_dim, dim=-1)["qkv".index(part)]
-    else:
-        out = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}[part](x)
-    return out.view(batch, seq, -1, attn.head_dim).transpose(1, 2)
-
-
 @pytest.mark.parametrize("values", [SPLIT[:3], SPLIT[3:4], SPLIT[4:], SPLIT], ids=["qkv", "attn_in", "mlp_in", "all"])
 @pytest.mark.parametrize("explicit", [False, True], ids=["fused", "explicit"])
 def test_unwritten_copies_leave_the_logits_bit_for_bit(tl_model, values, explicit, explicit_attention):
@@ -57,7 +36,8 @@ def test_unwritten_copies_leave_the_logits_bit_for_bit(tl_model, values, explici
 
 
 @pytest.mark.parametrize("part", "qkv")
-def test_a_write_to_one_copy_moves_that_head_alone(tl_model, part):
+def test_a_write_to_one_copy_moves_that_head_alone(tl_model, part, split_oracle):
+    reference_heads, projected_name = split_oracle
     model, ids, layer, copy = tl_model, tokens(tl_model), 1, 1
     g = torch.Generator().manual_seed(1)
     delta = torch.randn(ids.shape[0], ids.shape[1], model.cfg.d_model, generator=g)
@@ -68,23 +48,24 @@ def test_a_write_to_one_copy_moves_that_head_alone(tl_model, part):
         return t
 
     with torch.no_grad():
-        _, before = model.run_with_cache(ids, names_filter=[projected(model, layer, part), f"layers.{layer}.layer_input"])
+        _, before = model.run_with_cache(ids, names_filter=[projected_name(model, layer, part), f"layers.{layer}.layer_input"])
         with model.hooks(fwd_hooks=[(f"layers.{layer}.self_attn.{PARTS[part]}", write)]):
-            _, after = model.run_with_cache(ids, names_filter=[projected(model, layer, part)])
+            _, after = model.run_with_cache(ids, names_filter=[projected_name(model, layer, part)])
         expected = reference_heads(model, layer, part, before[f"layers.{layer}.layer_input"] + delta)[:, copy]
-    old, new = before[projected(model, layer, part)], after[projected(model, layer, part)]
+    old, new = before[projected_name(model, layer, part)], after[projected_name(model, layer, part)]
     others = [n for n in range(new.shape[1]) if n != copy]
     assert torch.equal(new[:, others], old[:, others])  # every other head, bit for bit
     torch.testing.assert_close(new[:, copy], expected, rtol=1e-5, atol=1e-5)
     assert (new[:, copy] - old[:, copy]).abs().max() > 1e-2  # the write reached it
 
 
-def test_attention_inputs_feed_queries_keys_and_values(tl_model):
+def test_attention_inputs_feed_queries_keys_and_values(tl_model, split_oracle):
     """One copy per query head; key/value head j reads the copy of its group's first query head."""
+    reference_heads, projected_name = split_oracle
     model, ids, layer = tl_model, tokens(tl_model), 0
     groups = model.cfg.n_heads // model.cfg.n_key_value_heads
     delta = torch.randn(ids.shape[0], ids.shape[1], model.cfg.d_model, generator=torch.Generator().manual_seed(2))
-    names = [projected(model, layer, part) for part in "qkv"]
+    names = [projected_name(model, layer, part) for part in "qkv"]
     with torch.no_grad():
         _, before = model.run_with_cache(ids, names_filter=names + [f"layers.{layer}.layer_input"])
         stream = before[f"layers.{layer}.layer_input"] + delta
@@ -124,9 +105,10 @@ def test_mlp_residual_input_is_what_the_mlp_branch_reads(tl_model):
 
 
 @pytest.mark.parametrize("part", "qkv")
-def test_the_gradient_at_a_copy_is_the_gradient_through_that_head_alone(tl_model, part):
+def test_the_gradient_at_a_copy_is_the_gradient_through_that_head_alone(tl_model, part, split_oracle):
     """d metric / d (copy n) equals d metric / d delta at delta = 0, where delta moves the stream that
     head n's `part` is computed from (independently: a hook on that part's projections)."""
+    reference_heads, projected_name = split_oracle
     model, ids, layer, copy = tl_model, tokens(tl_model), 1, 1
 
     def metric(logits):
@@ -149,7 +131,7 @@ def test_the_gradient_at_a_copy_is_the_gradient_through_that_head_alone(tl_model
         t[:, copy] = reference_heads(model, layer, part, stream + delta)[:, copy]
         return t
 
-    with model.hooks(fwd_hooks=[(projected(model, layer, part), replace)]):
+    with model.hooks(fwd_hooks=[(projected_name(model, layer, part), replace)]):
         (expected,) = torch.autograd.grad(metric(model(ids)), delta)
     torch.testing.assert_close(at_copy[:, :, copy], expected, rtol=1e-4, atol=1e-5)
     assert expected.abs().max() > 1e-3
