@@ -265,10 +265,11 @@ class Graph:
 
     def plot(self, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None):
         """A circuit diagram: the input at the bottom, each layer's heads then its MLP (or experts) above,
-        the logits on top; an edge runs from its writer to its reader's input (a head's q, k or v, drawn
-        as ports under the head; a key/value head's under its group), coloured by what it enters, as wide
-        as its |score| is large (dashed where the score is negative). Saves to `path` when given; returns
-        the matplotlib Figure."""
+        the logits on top. An edge runs from its writer to its reader's input: a head's q, k and v ports
+        along its bottom (under grouped-query attention, a key/value head is a box of its own under its
+        group), an MLP's bottom, the logits'; coloured by what it enters, as wide as its |score| is large,
+        dashed where its score has the opposite sign to the whole corruption's effect (it works against
+        it). Saves to `path` when given; returns the matplotlib Figure."""
         try:
             import matplotlib
 
@@ -279,37 +280,36 @@ class Graph:
             from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
         except ImportError:
             raise ImportError("Graph.plot needs matplotlib (pip install matplotlib)") from None
-        sizes = self.sizes or _sizes_from_names(self.nodes)
-        layers, heads, kv_heads = sizes["num_layers"], sizes["num_heads"], sizes["num_kv_heads"]
-        experts = sizes.get("experts") or 0
-        width = max(heads, experts, 1)
+        place = _Placement(self.sizes or _sizes_from_names(self.nodes))
         if ax is None:
-            fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * width + 2), 1.8 + 1.5 * (2 * layers + 1)))
+            fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * place.width + 2), 1.8 + 1.5 * (2 * place.layers + 1)))
         fig = ax.figure
-        place = _Placement(layers, heads, kv_heads, experts, width)
         signed = self.scores.float() if self.scores is not None else torch.ones(len(self))
-        scores = signed.abs()
-        top = float(scores.max()) if len(self) and float(scores.max()) > 0 else 1.0
-        shown = {place.component(n) for n in self.nodes} | {"input", "logits"}
-        for component in sorted(shown, key=place.order):
-            x, y = place.box(component)
-            ax.add_patch(FancyBboxPatch((x - 0.38, y - 0.17), 0.76, 0.34, boxstyle="round,pad=0.02",
+        magnitude = signed.abs()
+        top = float(magnitude.max()) if len(self) and float(magnitude.max()) > 0 else 1.0
+        if self.clean_metric is not None and self.corrupted_metric != self.clean_metric:
+            direction = math.copysign(1.0, self.corrupted_metric - self.clean_metric)
+        else:
+            direction = math.copysign(1.0, float(signed.sum())) if len(self) else 1.0
+        for box in sorted({place.box_of(n) for n in self.nodes} | {"input", "logits"}, key=place.order):
+            x, y, w = place.box(box)
+            ax.add_patch(FancyBboxPatch((x - w / 2, y - 0.17), w, 0.34, boxstyle="round,pad=0.02",
                                         facecolor="#f2f2f2", edgecolor="#555555", linewidth=1, zorder=3))
-            ax.text(x, y, place.label(component), ha="center", va="center", fontsize=8, zorder=4)
+            ax.text(x, y, place.label(box), ha="center", va="center", fontsize=8, zorder=4)
         colours = {"q": "tab:blue", "k": "tab:green", "v": "tab:orange", "mlp": "tab:purple", "logits": "tab:gray"}
-        for (writer, reader), score, sign in sorted(zip(self.edges, scores.tolist(), signed.tolist()),
-                                                    key=lambda item: item[1]):  # the strongest drawn last
-            start, end, kind = place.source(writer), place.port(reader), place.kind(reader)
-            arrow = FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=8, zorder=2,
-                                    connectionstyle=f"arc3,rad={0.15 if start[0] <= end[0] else -0.15}",
-                                    linewidth=0.4 + 5.5 * score / top, color=colours[kind],
-                                    alpha=0.35 + 0.6 * score / top, linestyle="-" if sign >= 0 else "--")
-            ax.add_patch(arrow)
-        ax.set_xlim(-1, width)
-        ax.set_ylim(-0.7, 2 * layers + 1.7)
+        for (writer, reader), size, sign in sorted(zip(self.edges, magnitude.tolist(), signed.tolist()),
+                                                   key=lambda item: item[1]):  # the strongest drawn last
+            start, end = place.source(writer), place.port(reader)
+            ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=8, zorder=2,
+                                         connectionstyle=f"arc3,rad={0.15 if start[0] <= end[0] else -0.15}",
+                                         linewidth=0.4 + 5.5 * size / top, color=colours[place.kind(reader)],
+                                         alpha=0.35 + 0.6 * size / top,
+                                         linestyle="-" if sign * direction >= 0 else "--"))
+        ax.set_xlim(-1, place.width)
+        ax.set_ylim(-0.7, 2 * place.layers + 1.7)
         ax.axis("off")
         handles = [Line2D([], [], color=c, linewidth=2, label=f"into {k}") for k, c in colours.items()]
-        handles.append(Line2D([], [], color="black", linestyle="--", label="negative score"))
+        handles.append(Line2D([], [], color="black", linestyle="--", label="works against the corruption"))
         ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 1.02))
         ax.set_title(title or f"circuit: {len(self)} edges" + (f" ({self.method})" if self.method else ""))
         fig.tight_layout()
@@ -322,6 +322,7 @@ _NODE = re.compile(r"^layers\.(\d+)\.(?:self_attn\.(head|kv_head)\.(\d+)(?:\.([q
 
 
 def _sizes_from_names(nodes: list[str]) -> dict:
+    """A graph's sizes read off its node names (for a graph built without them)."""
     sizes = dict(num_layers=1, num_heads=1, num_kv_heads=1, experts=0)
     for node in nodes:
         match = _NODE.match(node)
@@ -337,63 +338,64 @@ def _sizes_from_names(nodes: list[str]) -> dict:
 
 
 class _Placement:
-    """Where Graph.plot draws each component and each reader's port."""
+    """Where Graph.plot draws each box (input, heads, key/value heads under GQA, MLPs or experts, logits)
+    and each reader's port. Layer i's heads sit at height 2i + 1, its MLP at 2i + 2."""
 
-    def __init__(self, layers, heads, kv_heads, experts, width):
-        self.layers, self.heads, self.kv_heads, self.experts, self.width = layers, heads, kv_heads, experts, width
+    def __init__(self, sizes: dict):
+        self.layers, self.heads, self.kv_heads = sizes["num_layers"], sizes["num_heads"], sizes["num_kv_heads"]
+        self.experts = sizes.get("experts") or 0
+        self.groups = max(self.heads // max(self.kv_heads, 1), 1)
+        self.width = max(self.heads, self.experts, 1)
 
-    def _centred(self, index, count):
+    def _x(self, index, count):
         return index + (self.width - count) / 2
 
-    def component(self, node: str) -> str:
-        """The box a node belongs to: a reader's q/k/v port belongs to its head (a kv head's to its group)."""
+    def box_of(self, node: str) -> str:
+        """The box a node is drawn in: a head's q/k/v ports are on the head's box, and so are a key/value
+        head's under multi-head attention; under GQA a key/value head has a box of its own."""
         match = _NODE.match(node)
-        if match and match.group(2) == "kv_head":
-            return f"layers.{match.group(1)}.self_attn.head.{int(match.group(3)) * (self.heads // self.kv_heads)}"
+        if match and match.group(2) == "kv_head" and self.groups == 1:
+            return f"layers.{match.group(1)}.self_attn.head.{match.group(3)}"
         return re.sub(r"\.[qkv]$", "", node)
 
-    def order(self, component: str) -> tuple:
-        return self.box(component)[::-1]
+    def order(self, box: str) -> tuple:
+        x, y, _ = self.box(box)
+        return y, x
 
-    def box(self, component: str) -> tuple[float, float]:
-        if component == "input":
-            return (self.width - 1) / 2, 0.0
-        if component == "logits":
-            return (self.width - 1) / 2, 2 * self.layers + 1.0
-        layer, kind, index, _, expert = _NODE.match(component).groups()
+    def box(self, box: str) -> tuple[float, float, float]:
+        """(x, y, width) of a box."""
+        middle = (self.width - 1) / 2
+        if box in ("input", "logits"):
+            return middle, (0.0 if box == "input" else 2 * self.layers + 1.0), 0.76
+        layer, kind, index, _, expert = _NODE.match(box).groups()
         if kind == "head":
-            return self._centred(int(index), self.heads), 2 * int(layer) + 1.0
+            return self._x(int(index), self.heads), 2 * int(layer) + 1.0, 0.76
+        if kind == "kv_head":  # under its group of query heads, below them
+            return self._x(int(index) * self.groups + (self.groups - 1) / 2, self.heads), 2 * int(layer) + 0.45, 0.6
         if expert is not None:
-            return self._centred(int(expert), self.experts), 2 * int(layer) + 2.0
-        return (self.width - 1) / 2, 2 * int(layer) + 2.0
+            return self._x(int(expert), self.experts), 2 * int(layer) + 2.0, 0.76
+        return middle, 2 * int(layer) + 2.0, 0.76
 
-    def label(self, component: str) -> str:
-        if component in ("input", "logits"):
-            return component
-        layer, kind, index, _, expert = _NODE.match(component).groups()
-        if kind == "head":
-            return f"L{layer} H{index}"
+    def label(self, box: str) -> str:
+        if box in ("input", "logits"):
+            return box
+        layer, kind, index, _, expert = _NODE.match(box).groups()
+        if kind:
+            return f"L{layer} {'H' if kind == 'head' else 'KV'}{index}"
         return f"L{layer} E{expert}" if expert is not None else f"L{layer} MLP"
 
     def source(self, writer: str) -> tuple[float, float]:
-        x, y = self.box(writer)
+        x, y, _ = self.box(writer)
         return x, y + 0.17
 
-    def kind(self, reader: str) -> str:
+    @staticmethod
+    def kind(reader: str) -> str:
         return reader[-1] if re.search(r"\.[qkv]$", reader) else ("logits" if reader == "logits" else "mlp")
 
     def port(self, reader: str) -> tuple[float, float]:
-        match = _NODE.match(reader)
-        if match and match.group(4):  # q, k, v ports along the bottom of a head (a kv head's under its group)
-            layer, kind, index, part = match.group(1), match.group(2), int(match.group(3)), match.group(4)
-            if kind == "kv_head":
-                group = self.heads // self.kv_heads
-                x = self._centred(index * group + (group - 1) / 2, self.heads)
-            else:
-                x = self._centred(index, self.heads)
-            return x + {"q": -0.25, "k": 0.0, "v": 0.25}[part], 2 * int(layer) + 1.0 - 0.17
-        x, y = self.box(reader)
-        return x, y - 0.17
+        x, y, _ = self.box(self.box_of(reader))
+        part = reader[-1] if re.search(r"\.[qkv]$", reader) else None
+        return x + {"q": -0.25, "k": 0.0, "v": 0.25, None: 0.0}[part], y - 0.17
 
 
 # ----------------------------------------------------------------------------------------- running

@@ -162,3 +162,19 @@ def test_an_example_runs_in_a_named_dtype(tmp_path, run_in_process):
     stdout = run_in_process("head_patching.py", "--dtype", "bf16", "--prompts", "4", "--out", str(tmp_path / "h.png"))
     assert "2 key/value heads" in stdout
     assert_png(tmp_path / "h.png")
+
+
+@pytest.mark.parametrize("family", ["arcee", "alpha-er"])
+def test_circuit_discovery_on_the_embedded_models(tmp_path, run_in_process, family):
+    stdout = run_in_process("circuit_discovery.py", "--family", family, "--prompts", "8",
+                            "--out", str(tmp_path / "circuit.png"))
+    r = float(stdout.split("against exact edge patching: correlation ")[1].split(",")[0])
+    assert r > 0.95  # EAP-IG against every edge patched exactly
+    kept = float(stdout.split("edges keep ")[1].split(" ")[0])
+    assert kept >= 0.9
+    # The first step of the IOI circuit (tutorial 2): the repeated name reaches layer 0's head 2 (Arcee;
+    # alpha-er's head 1) through the values of its key/value head.
+    first = stdout.split("of the logit difference\n")[1].splitlines()[0].split()
+    assert first[:3] == ["input", "->", "layers.0.self_attn.kv_head.1.v"]
+    assert_png(tmp_path / "circuit.png")
+    assert_png(tmp_path / "circuit_faithfulness.png")
