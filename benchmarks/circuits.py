@@ -87,12 +87,9 @@ def main() -> None:
                 lambda: tl.attribution_patch(model, corrupted, clean, metric, config))
             theirs = contenders["TransformerLens attribution_patch, edge"]().edge_scores
             ours = circuits.edge_attribution(*run, "eap")
-            summed = {}
-            for (w, r), score in theirs.items():
-                key = (_name(model, w, clean.shape[1]), _name(model, r, clean.shape[1]))
-                summed[key] = summed.get(key, 0.0) + score
-            expected = torch.tensor([summed[e] for e in ours.edges])
-            torch.testing.assert_close(ours.scores, expected.float(), rtol=1e-3, atol=1e-3)
+            summed = circuits.Graph.from_transformer_lens(model, theirs, clean.shape[1])
+            assert summed.edges == ours.edges
+            torch.testing.assert_close(ours.scores, summed.scores, rtol=1e-3, atol=1e-3)
             print(f"\n{label}: {len(edges)} edges ({len(theirs)} per-position edges in TransformerLens); "
                   "our EAP equals TransformerLens's, summed over positions")
         else:
@@ -105,23 +102,6 @@ def main() -> None:
         if "TransformerLens attribution_patch, edge" in cpu:
             theirs = cpu["TransformerLens attribution_patch, edge"]
             print(f"  TransformerLens edge EAP / our EAP: {theirs / eap:.1f}x;  / our EAP-IG: {theirs / ig:.1f}x")
-
-
-def _name(model, node, seq: int) -> str:
-    """A TransformerLens Node -> our node name."""
-    if node.kind in ("embed", "logits"):
-        return "input" if node.kind == "embed" else "logits"
-    attn = f"layers.{node.layer}.self_attn"
-    if node.kind == "attn_head_out":
-        return f"{attn}.head.{node.head}"
-    if node.kind == "q_input":
-        return f"{attn}.head.{node.head}.q"
-    if node.kind in ("k_input", "v_input"):
-        return f"{attn}.kv_head.{node.head}.{node.kind[0]}"
-    mlp = model.get_submodule(f"layers.{node.layer}.mlp")
-    if hasattr(mlp, "expert_index"):
-        return f"layers.{node.layer}.mlp.expert.{int(mlp.expert_index(seq)[node.position])}"
-    return f"layers.{node.layer}.mlp"
 
 
 if __name__ == "__main__":

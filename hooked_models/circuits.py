@@ -154,6 +154,24 @@ class _Layout:
         return sum(len(h.nodes) for h in self.writer_hooks)
 
 
+def transformer_lens_node(model, node, seq: int) -> str:
+    """The node name here of a TransformerLens `attribution_patching.Node` (kind, layer, head, position):
+    an MLP node of a positional-expert MLP is the expert that owns its position (`seq` long prompts)."""
+    if node.kind in ("embed", "logits"):
+        return "input" if node.kind == "embed" else "logits"
+    attn = f"layers.{node.layer}.self_attn"
+    if node.kind == "attn_head_out":
+        return f"{attn}.head.{node.head}"
+    if node.kind == "q_input":
+        return f"{attn}.head.{node.head}.q"
+    if node.kind in ("k_input", "v_input"):
+        return f"{attn}.kv_head.{node.head}.{node.kind[0]}"
+    mlp = model.get_submodule(f"layers.{node.layer}.mlp")
+    if callable(getattr(mlp, "expert_index", None)):
+        return f"layers.{node.layer}.mlp.expert.{int(mlp.expert_index(seq)[node.position])}"
+    return f"layers.{node.layer}.mlp"
+
+
 def graph(model) -> "Graph":
     """Every edge of the model's graph (see the module docstring), unscored."""
     layout = _Layout(model)
@@ -244,6 +262,19 @@ class Graph:
                            "corrupted_metric": self.corrupted_metric, "sizes": self.sizes,
                            "edges": [{"writer": w, "reader": r, "score": s} for (w, r), s in zip(self.edges, scores)]},
                           **dump_options)
+
+    @classmethod
+    def from_transformer_lens(cls, model, edge_scores: dict, seq: int, method: str = "transformer_lens") -> "Graph":
+        """TransformerLens's per-position edge scores (`attribution_patch(...).edge_scores`) summed over
+        positions into this model's graph: its edges that TransformerLens scored, in the graph's order."""
+        layout = _Layout(model)
+        summed: dict[Edge, float] = {}
+        for writer, reader in edge_scores:
+            edge = layout.check((transformer_lens_node(model, writer, seq), transformer_lens_node(model, reader, seq)),
+                                type(model).__name__)
+            summed[edge] = summed.get(edge, 0.0) + float(edge_scores[writer, reader])
+        edges = [e for e in layout.edges if e in summed]
+        return cls(edges, torch.tensor([summed[e] for e in edges]), method, sizes=dict(layout.sizes))
 
     @classmethod
     def from_json(cls, text: str) -> "Graph":

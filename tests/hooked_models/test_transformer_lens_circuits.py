@@ -60,34 +60,6 @@ def mha_model(request, tl_model_factory, hf_arcee_factory):
                                                 num_key_value_heads=4, head_dim=4))
 
 
-def ours(model, node, position: int, seq: int) -> str:
-    """A TransformerLens Node -> our node name (an MLP node of a positional-expert MLP: the expert
-    that owns the position)."""
-    if node.kind == "embed":
-        return "input"
-    if node.kind == "logits":
-        return "logits"
-    attn = f"layers.{node.layer}.self_attn"
-    if node.kind == "attn_head_out":
-        return f"{attn}.head.{node.head}"
-    if node.kind == "q_input":
-        return f"{attn}.head.{node.head}.q"
-    if node.kind in ("k_input", "v_input"):
-        return f"{attn}.kv_head.{node.head}.{node.kind[0]}"
-    mlp = model.get_submodule(f"layers.{node.layer}.mlp")
-    if hasattr(mlp, "expert_index"):
-        return f"layers.{node.layer}.mlp.expert.{int(mlp.expert_index(seq)[position])}"
-    return f"layers.{node.layer}.mlp"
-
-
-def summed_over_positions(model, edge_scores, seq) -> dict:
-    out = {}
-    for (writer, reader), score in edge_scores.items():
-        edge = (ours(model, writer, writer.position, seq), ours(model, reader, reader.position, seq))
-        out[edge] = out.get(edge, 0.0) + score
-    return out
-
-
 # ------------------------------------------------------------------------------------ direct path
 def direct_path_sweep(model, clean, corrupted, component):
     """Our edge_patch, edge by edge, laid out as TransformerLens's all-sources sweep [L H L H] (with
@@ -169,11 +141,10 @@ def test_edge_attribution_is_eap(mha_model):
     clean, corrupted = prompts(model)
     result = attribution.attribution_patch(model, clean, corrupted, metric,
                                            attribution.EdgeAttributionConfig(granularity="edge"))
-    theirs = summed_over_positions(model, result.edge_scores, clean.shape[1])
+    theirs = circuits.Graph.from_transformer_lens(model, result.edge_scores, clean.shape[1])
     graph = circuits.edge_attribution(model, corrupted, clean, metric, method="eap")
-    assert set(theirs) == set(graph.edges)
-    for edge, score in zip(graph.edges, graph.scores.tolist()):
-        assert theirs[edge] == pytest.approx(score, rel=1e-4, abs=1e-5), edge
+    assert theirs.edges == graph.edges  # every edge of ours, and no other, once summed over positions
+    torch.testing.assert_close(theirs.scores, graph.scores, rtol=1e-4, atol=1e-5)
     assert graph.scores.abs().max() > 1e-2
     assert not (model.cfg.use_split_qkv_input or model.cfg.use_hook_mlp_in or model.cfg.use_attn_result)
 
@@ -200,7 +171,8 @@ def test_faithfulness_is_graph_faithfulness(mha_model):
     every = attribution.attribution_patch(model, clean, corrupted, metric,
                                           attribution.EdgeAttributionConfig(granularity="edge")).edge_scores
     kept = set(circuit.edges)
-    theirs = [(w, r) for w, r in every if (ours(model, w, w.position, seq), ours(model, r, r.position, seq)) in kept]
+    name = lambda node: circuits.transformer_lens_node(model, node, seq)  # noqa: E731
+    theirs = [(w, r) for w, r in every if (name(w), name(r)) in kept]
     result = attribution.faithfulness(model, clean, corrupted, metric, theirs)
     assert result.recovered == pytest.approx(circuit.faithfulness(model, clean, corrupted, metric), rel=1e-4, abs=1e-4)
     assert 0.05 < abs(result.recovered) and abs(result.recovered - 1) > 0.05  # neither end: the check can fail
