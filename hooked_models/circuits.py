@@ -150,9 +150,6 @@ class _Layout:
             raise ValueError(f"({writer!r}, {reader!r}) is not an edge of {model_name}'s graph: the reader {why}")
         return writer, reader
 
-    def writer_slots(self) -> int:
-        return sum(len(h.nodes) for h in self.writer_hooks)
-
 
 def transformer_lens_node(model, node, seq: int) -> str:
     """The node name here of a TransformerLens `attribution_patching.Node` (kind, layer, head, position):
@@ -445,6 +442,12 @@ def _writer_outputs(model, tokens: Tensor, layout: _Layout, extra: Sequence[str]
     return logits, cache
 
 
+def _stream_bytes(model, tokens: Tensor) -> int:
+    """The bytes of one [batch seq hidden_size] value for these prompts."""
+    itemsize = torch.finfo(next(model.parameters()).dtype).bits // 8
+    return tokens.numel() * model.cfg.d_model * itemsize
+
+
 def _slots(value: Tensor, hook: _Hook) -> Tensor:
     """A hook's value with a slot axis: [..., slots, hidden_size]."""
     return value if hook.head_axis else value.unsqueeze(-2)
@@ -479,6 +482,7 @@ def _edge_patch(model, clean, corrupted, metric, edge_sets, layout: _Layout, bat
     """`edge_patch`'s values, and the clean and corrupted runs' metrics."""
     clean, corrupted = _check_runs(model, clean, corrupted)
     name = type(model).__name__
+
     def is_set(s) -> bool:  # an edge itself, ("input", "logits"), is a common slip for [("input", "logits")]
         return isinstance(s, (list, tuple, set, frozenset)) and not any(isinstance(e, str) for e in s)
 
@@ -500,9 +504,8 @@ def _edge_patch(model, clean, corrupted, metric, edge_sets, layout: _Layout, bat
     todo = [n for n in range(len(sets)) if masks[n].any()]  # an empty set is the clean run
     writer_nodes = [h.nodes_at(seq) for h in layout.writer_hooks]
     slots = sum(n.shape[0] for n in writer_nodes)
-    hidden = model.cfg.d_model
-    itemsize = torch.finfo(next(model.parameters()).dtype).bits // 8
-    per_set = row_bytes(model, clean) + 4 * batch * seq * hidden * itemsize * (slots + 3 * model.cfg.n_heads)
+    # A patched copy of the prompts holds a forward's activations, every writer's delta, and the split inputs.
+    per_set = row_bytes(model, clean) + _stream_bytes(model, clean) * (slots + 6 * model.cfg.n_heads)
     per_forward = batch_size or max(1, memory_budget // per_set)
     show = sys.stderr.isatty() and len(todo) > per_forward if progress is None else progress
     with torch.no_grad(), tqdm(total=len(todo), disable=not show, desc="edge patching", unit="set") as bar:
@@ -535,9 +538,6 @@ def _edge_patch_hooks(layout: _Layout, masks: Tensor, corrupted_out: dict, write
             deltas.append(_slots(corrupted_out[h.name], h).to(live.dtype) - live)
 
         hooks.append((writer.name, record))
-    starts = [0]
-    for nodes in writer_nodes:
-        starts.append(starts[-1] + nodes.shape[0])
     for reader in layout.reader_hooks:
         reader_nodes = reader.nodes_at(seq, device)
         available = [i for i, w in enumerate(layout.writer_hooks) if w.step < reader.step]
@@ -635,7 +635,8 @@ def edge_attribution(
         clean_logits, clean_out = _writer_outputs(model, clean, layout, ["token_embeddings"])
         clean_metric = float(_scalar(metric(clean_logits)))
         embeddings = (clean_out["token_embeddings"], corrupted_out["token_embeddings"])
-        per_step = 4 * row_bytes(model, clean) + 8 * batch * seq * model.cfg.d_model * model.cfg.n_heads * 4
+        # A step holds a forward's activations and their gradients, with the split inputs (and theirs).
+        per_step = 4 * row_bytes(model, clean) + _stream_bytes(model, clean) * 12 * model.cfg.n_heads
         per_forward = batch_size or max(1, memory_budget // per_step)
         alphas = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
         grads = {}

@@ -6,7 +6,6 @@ the MLP of the normed stream, or the final stream), nothing else changed. Accura
 IOI models are asserted with margin below what was measured (see the README's Circuits section).
 """
 
-import math
 import re
 
 import pytest

@@ -12,7 +12,6 @@ TransformerLens refuses grouped-query attention at edge granularity and for key/
 those run on alpha-er (multi-head) and an Arcee with as many key/value heads as query heads.
 """
 
-import re
 
 import pytest
 import torch
