@@ -227,14 +227,16 @@ def test_path_patch_is_the_ioi_papers_four_runs(tl_model):
 
 # ---------------------------------------------------------------------------------------- attribution
 def frozen_readout(model, clean):
-    """Hooks that freeze the final norm's scale (and alpha-er's head-bottleneck scale) at the clean run's,
-    so that the logits, and a logit difference, are linear in the stream entering the final norm."""
+    """Hooks that freeze the final norm's scale (and alpha-er's head-bottleneck scale) at a constant, so that
+    the logits, and a logit difference, are linear in the stream entering the final norm. The constant is
+    the clean run's scale times 1 + 2⁻¹⁰: a written scale takes effect (x / scale) wherever it differs from
+    the computed one, which must then be everywhere."""
     names = [n for n in ("norm.norm_scale", "lm_head.norm.norm_scale") if n in model.standard_hook_dict]
     with torch.no_grad():
         _, cache = model.run_with_cache(clean, names_filter=names)
 
     def freeze(t, hook):
-        scale = cache[hook.name]
+        scale = cache[hook.name] * (1 + 2**-10)
         return scale.repeat(t.shape[0] // scale.shape[0], *[1] * (scale.ndim - 1)).to(t.dtype)
 
     return [(name, freeze) for name in names]
