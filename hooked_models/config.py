@@ -20,6 +20,14 @@ class TransformerLensFields:
     gated_mlp = property(lambda self: False)
     attn_only = property(lambda self: False)
 
+    # TransformerLens's switches (the model's set_use_* set them on its config, where TransformerLens's
+    # tools read them): which on-request values a cache-everything run_with_cache includes. Hooks on
+    # those values fire whether or not their switch is on; off, they cost nothing.
+    use_attn_result = False
+    use_split_qkv_input = False
+    use_attn_in = False
+    use_hook_mlp_in = False
+
     def with_(self, **changes):
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

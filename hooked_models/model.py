@@ -73,8 +73,6 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
     """
 
     tokenizer: Any = None
-    # TransformerLens's switch: whether a cache-everything run_with_cache includes per-head results.
-    cfg_use_attn_result = False
     # Whether the forward takes `past_kv_cache` and `logits_to_keep`: incremental decoding.
     supports_kv_cache = False
 
@@ -99,9 +97,10 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
                 continue
             module_path = name.rpartition(".")[0]
             host = module_path.rpartition(".")[0] if value.tl_on_parent else module_path
-            tl_host = tl_module_path(host)
-            if tl_host is not None:
-                self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
+            hosts = [host, host.rpartition(".")[0]] if value.tl_also_on_parent else [host]
+            for tl_host in map(tl_module_path, hosts):
+                if tl_host is not None:
+                    self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
         self._tl_fallback_aliases()
         # HookPoints under a value (a spliced SAE's) answer under each of its names too.
         for name in self.standard_hook_dict:
@@ -227,14 +226,15 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
         applied by `filter_matches`'s rule (an inclusion filter takes a value it accepts under any of its
         names, an exclusion filter only one it accepts under all of them). `pos_slice` slices each value's
         own position axis, read from its layout. With no filter, every value is cached but the on-request
-        ones (per-head results), unless `set_use_attn_result(True)` asked for them.
+        ones (per-head results, split inputs), unless their switch asked for them
+        (`set_use_attn_result(True)`, `set_use_split_qkv_input(True)`, ...).
         """
         cache = {} if cache is None else cache
         pos_slice = Slice.unwrap(pos_slice)
         if names_filter is None:
             def selected(name: str) -> bool:
                 value = getattr(self.standard_hook_dict[name], "value", None)
-                return value is None or not value.on_request or self.cfg_use_attn_result
+                return value is None or not value.on_request or bool(getattr(self.cfg, value.on_request, False))
         elif isinstance(names_filter, str):
             selected = {self.resolve_hook_name(names_filter)[0]}.__contains__
         elif isinstance(names_filter, (list, tuple, set)):

@@ -53,6 +53,8 @@ DEFAULT_OVER: dict[str, tuple[str, ...]] = {
     "Pattern": ("num_heads",),
     "HeadOutputs": ("num_heads",),
     "HeadResults": ("num_heads",),
+    "PerHeadResidual": ("num_heads",),
+    "PerKVHeadResidual": ("num_kv_heads",),
     "Neurons": ("intermediate_size",),
     "Scale": ("seq",),
     "Bottleneck": ("rank",),

@@ -145,11 +145,28 @@ class TransformerLensModel:
         learned positions only."""
         return torch.cat([self.W_E, self.W_pos])
 
+    # TransformerLens's switches. Each decides whether `run_with_cache()` with no names_filter
+    # includes its values; a hook or a filter that names them gets them either way, they are
+    # computed only while hooked, and reading them changes no bit of the output.
     def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """TransformerLens's switch for per-head results: whether `run_with_cache()` with no
-        names_filter caches `hook_result`. A hook or a filter that names it gets it either way, and
-        it costs nothing while nobody asks."""
-        self.cfg_use_attn_result = bool(use_attn_result)
+        """Per-head results, `hook_result` (`attention_head_results`)."""
+        self.cfg.use_attn_result = bool(use_attn_result)
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Split inputs: a copy of the stream entering each block per query head (`hook_q_input`,
+        `attention_query_inputs`) and per key/value head (`hook_k_input`, `hook_v_input`), taken
+        before input_layernorm, so a write to one copy reaches that head's query, key or value alone."""
+        self.cfg.use_split_qkv_input = bool(use_split_qkv_input)
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """One copy of the stream per query head that its queries, keys and values all read
+        (`hook_attn_in`, `attention_inputs`)."""
+        self.cfg.use_attn_in = bool(use_attn_in)
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """The MLP branch's own copy of the stream before post_attention_layernorm (`hook_mlp_in`,
+        `mlp_residual_input`)."""
+        self.cfg.use_hook_mlp_in = bool(use_hook_mlp_in)
 
     # The readout, for direct logit attribution: a family whose head is not linear (alpha-er's
     # bottleneck LayerNorm) names the scale that freezes it and overrides these.

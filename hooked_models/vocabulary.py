@@ -30,6 +30,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "Pattern": ("batch", "num_heads", "query", "key"),
     "HeadOutputs": ("batch", "seq", "num_heads", "head_dim"),
     "HeadResults": ("batch", "seq", "num_heads", "hidden_size"),
+    "PerHeadResidual": ("batch", "seq", "num_heads", "hidden_size"),
+    "PerKVHeadResidual": ("batch", "seq", "num_kv_heads", "hidden_size"),
     "Neurons": ("batch", "seq", "intermediate_size"),
     "Scale": ("batch", "seq", "1"),
     "Bottleneck": ("batch", "seq", "rank"),
@@ -68,9 +70,12 @@ class Value:
     host's parent when `tl_on_parent`, as for `attention_output` -> `blocks.{i}.hook_attn_out`).
     `tl_layout` is an einops pattern from the standard layout to TransformerLens's where they differ.
     `lazy` values are computed only while a hook reads or writes them (they cost nothing otherwise).
-    `on_request` values are left out of a cache-everything `run_with_cache` (names_filter=None) and
+    `on_request` names the TransformerLens switch (`use_attn_result`, `use_split_qkv_input`, ...) under
+    which a cache-everything `run_with_cache` (names_filter=None) includes the value; otherwise it is
     cached only when named or matched by a filter, as TransformerLens does for `hook_result`: per-head
     results are num_heads residual streams per layer (15 GB on AFM-4.5B at 2048 tokens).
+    `tl_also_on_parent`: the TransformerLens name is valid on the host's parent too (TransformerLens
+    3.x hangs `hook_q_input` on the block, 4.x on the attention: both resolve).
     """
 
     name: str
@@ -83,7 +88,8 @@ class Value:
     tl_layout: str | None = None
     read_only: bool = False
     lazy: bool = False
-    on_request: bool = False
+    on_request: str | None = None
+    tl_also_on_parent: bool = False
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -210,7 +216,41 @@ COMPONENT_VALUES = {
          dict(tl="hook_k", tl_layout=_HEADS_TO_TL)),
         ("attention_head_results", "HeadResults",
          "Each head's contribution to the residual stream; they sum to attention_output. "
-         "Computed only while hooked", "each head's slice of o_proj", dict(tl="hook_result", lazy=True, on_request=True)),
+         "Computed only while hooked", "each head's slice of o_proj",
+         dict(tl="hook_result", lazy=True, on_request="use_attn_result")),
+        # Split inputs (TransformerLens's use_split_qkv_input / use_attn_in): copies of the stream
+        # entering the block, before input_layernorm, one per head. Each copy goes through the norm
+        # and its own head's projection, so a write to it reaches that head alone; unwritten, the
+        # output is the unsplit one bit for bit (SelfAttention.split_inputs says how).
+        ("attention_query_inputs", "PerHeadResidual",
+         "Each query head's own copy of the residual stream entering the block; head h's queries read "
+         "copy h through input_layernorm. Computed only while hooked",
+         "layer_input copied per head, before input_layernorm",
+         dict(tl="hook_q_input", tl_also_on_parent=True, lazy=True, on_request="use_split_qkv_input")),
+        ("attention_key_inputs", "PerKVHeadResidual",
+         "Each key/value head's own copy of the residual stream entering the block; key/value head j's "
+         "keys read copy j through input_layernorm. Computed only while hooked",
+         "layer_input copied per key/value head, before input_layernorm",
+         dict(tl="hook_k_input", tl_also_on_parent=True, lazy=True, on_request="use_split_qkv_input")),
+        ("attention_value_inputs", "PerKVHeadResidual",
+         "Each key/value head's own copy of the residual stream entering the block; key/value head j's "
+         "values read copy j through input_layernorm. Computed only while hooked",
+         "layer_input copied per key/value head, before input_layernorm",
+         dict(tl="hook_v_input", tl_also_on_parent=True, lazy=True, on_request="use_split_qkv_input")),
+        ("attention_inputs", "PerHeadResidual",
+         "One copy of the residual stream entering the block per query head, read by its queries, keys "
+         "and values (under GQA key/value head j reads copy j*g, its group's first query head); "
+         "the query/key/value copies are taken from these. Computed only while hooked",
+         "layer_input copied per head, before input_layernorm",
+         dict(tl="hook_attn_in", tl_also_on_parent=True, lazy=True, on_request="use_attn_in")),
+    ]),
+    **declare_values("layer", [
+        ("mlp_residual_input", "Residual",
+         "The residual stream the MLP branch reads before post_attention_layernorm: a copy of layer_mid "
+         "that only the MLP sees (TransformerLens's hook_mlp_in; mlp_input is after the norm). "
+         "Computed only while hooked",
+         "a copy of layer_mid, before post_attention_layernorm",
+         dict(tl="hook_mlp_in", lazy=True, on_request="use_hook_mlp_in")),
     ]),
     **declare_values("mlp", [
         ("mlp_pre_activation", "Neurons", "The MLP's pre-activation, what the activation function reads",

@@ -132,6 +132,34 @@ def make_tl_family_model(family: str, seed: int = 0):
     raise ValueError(family)
 
 
+def reference_heads(model, layer: int, part: str, stream: torch.Tensor) -> torch.Tensor:
+    """An oracle for split inputs: `part` ("q", "k", "v") of every head of `layer` computed from the whole
+    `stream` [batch seq hidden_size] through the block's input_layernorm and the attention's own
+    projection (alpha-er: its factored qkv_proj), [batch heads seq head_dim], before rotary."""
+    block = model.layers[layer]
+    attn = block.self_attn
+    x = block.input_layernorm(stream)
+    batch, seq, _ = x.shape
+    if hasattr(attn, "qkv_proj"):  # alpha-er: one factored projection, q, k, v in that order
+        out = attn.qkv_proj(x).split(attn.num_heads * attn.head_dim, dim=-1)["qkv".index(part)]
+    else:
+        out = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}[part](x)
+    return out.view(batch, seq, -1, attn.head_dim).transpose(1, 2)
+
+
+def projected_name(model, layer: int, part: str) -> str:
+    """The value holding one part's per-head projections, before rotary where the family has rotary."""
+    base = {"q": "attention_queries", "k": "attention_keys", "v": "attention_values"}[part]
+    name = f"layers.{layer}.self_attn.{base}"
+    return name + "_unrotated" if part != "v" and name + "_unrotated" in model.hook_dict else name
+
+
+@pytest.fixture(scope="session")
+def split_oracle():
+    """(reference_heads, projected_name): tests cannot import conftest under importlib mode."""
+    return reference_heads, projected_name
+
+
 @pytest.fixture(params=["arcee", "alpha_er"])
 def tl_family(request):
     return request.param

@@ -59,7 +59,10 @@ def causal_mask(attention_mask: Tensor | None, seq: int, device: torch.device) -
 class SelfAttention(HookedModule):
     """The attention core shared by every family.
 
-    Subclasses own the projections that make queries, keys and values; `o_proj` maps the heads,
+    Subclasses own the projections that make queries, keys and values, and say through
+    `head_input_change(part, written, unwritten)` how much head n's query, key or value ("q", "k",
+    "v") moves when its normed input goes from `unwritten[..., n, :]` to `written[..., n, :]`
+    (exactly zero where the two are equal), which split inputs need; `o_proj` maps the heads,
     side by side, back to the residual stream. `score_mod` (a module, or None) rewrites the scaled
     scores before the mask: alpha-er passes its soft cap here. Heads are `num_heads` query heads
     over `num_kv_heads` key/value heads; keys and values are hooked before the grouped-query repeat,
@@ -82,8 +85,46 @@ class SelfAttention(HookedModule):
         self.score_mod = score_mod
         for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",
                      "attention_premix", "attention_output", "attention_probabilities",
-                     "attention_head_outputs", "attention_head_results"):
+                     "attention_head_outputs", "attention_head_results", "attention_query_inputs",
+                     "attention_key_inputs", "attention_value_inputs", "attention_inputs"):
             setattr(self, name, ValueHook(name))
+
+    def split_inputs(
+        self, x: Float[Tensor, "batch seq hidden_size"], norm: nn.Module
+    ) -> dict[str, Float[Tensor, "batch seq heads head_dim"]] | None:
+        """Per-head copies of the stream `x` entering the block (before `norm`), where hooked.
+
+        None unless a hook is on `attention_inputs` or a query/key/value input (then no copy is made
+        and nothing is computed). Otherwise, for each part ("q", "k", "v") whose copies are hooked,
+        how much the copies move its heads: head n's projection of norm(copy n) minus its projection
+        of norm(x), [batch seq heads head_dim], which the forward adds to that part (TransformerLens
+        projects the copies instead; the difference is what a hook wrote, so unwritten copies leave
+        the output bit for bit as it was). Both normed inputs come from one call on one stacked
+        tensor, so rows that no hook changed are exactly equal and their difference exactly zero;
+        the second comes from `x`, so a gradient reaches `x` once through the part, and head n's
+        copy through head n alone.
+        """
+        points = {"q": self.attention_query_inputs, "k": self.attention_key_inputs, "v": self.attention_value_inputs}
+        shared = self.attention_inputs.has_hooks()
+        hooked = [part for part, point in points.items() if shared or point.has_hooks()]
+        if not hooked:
+            return None
+        heads = {"q": self.num_heads, "k": self.num_kv_heads, "v": self.num_kv_heads}
+
+        def copies(n: int) -> Tensor:
+            return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+
+        given = {}
+        if shared:
+            attn_in = self.attention_inputs(copies(self.num_heads).contiguous())
+            # Key/value head j reads the copy of its group's first query head (g = 1: its own).
+            given = {"q": attn_in, "k": attn_in[..., ::self.groups, :], "v": attn_in[..., ::self.groups, :]}
+        changes = {}
+        for part in hooked:
+            copy = given[part].clone() if part in given else copies(heads[part]).contiguous()
+            written, unwritten = norm.forward_unhooked(torch.stack([points[part](copy), copies(heads[part])]))
+            changes[part] = self.head_input_change(part, written, unwritten)
+        return changes
 
     def wants_explicit_scores(self) -> bool:
         """Whether anyone reads or writes the scores or the pattern (else the fused path serves)."""
@@ -187,15 +228,23 @@ class GroupedQueryAttention(SelfAttention):
         self.attention_keys_unrotated = ValueHook("attention_keys_unrotated")
 
     def forward(
-        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs,
+        split: dict[str, Tensor] | None = None,
     ) -> Float[Tensor, "batch seq hidden_size"]:
+        """`split`: what per-head input copies change, from `split_inputs` (None: no copies)."""
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(self.attention_queries_unrotated(q), inputs.cos, inputs.sin)
-        k = apply_rotary(self.attention_keys_unrotated(k), inputs.cos, inputs.sin)
-        return self.attend(q, k, v, inputs)
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if split is not None:  # same layout as the projections' own output, so the same bits follow
+            q, k, v = (t + split[part] if part in split else t for part, t in zip("qkv", (q, k, v)))
+        q = apply_rotary(self.attention_queries_unrotated(q.transpose(1, 2)), inputs.cos, inputs.sin)
+        k = apply_rotary(self.attention_keys_unrotated(k.transpose(1, 2)), inputs.cos, inputs.sin)
+        return self.attend(q, k, v.transpose(1, 2), inputs)
+
+    def head_input_change(self, part, written, unwritten):
+        # Linear: the projection of the difference, exactly zero where nothing was written.
+        weight = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}[part].weight
+        heads = written.shape[-2]
+        return torch.einsum("bsnh,ndh->bsnd", written - unwritten, weight.view(heads, self.head_dim, -1))
 
     # TransformerLens's weight views: they share storage with the projections, so an edit writes
     # through. W_K and W_V are per key/value head, as TransformerLens's bridge has them; the
@@ -268,15 +317,27 @@ class FusedQKVAttention(SelfAttention):
         self.o_proj = o_proj
 
     def forward(
-        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs,
+        split: dict[str, Tensor] | None = None,
     ) -> Float[Tensor, "batch seq hidden_size"]:
+        """`split`: what per-head input copies change, from `split_inputs` (None: no copies)."""
         batch, seq, _ = x.shape
         width = self.num_heads * self.head_dim
+        qkv = self.qkv_proj(x)
+        if split is not None:  # added in qkv's own layout, so q, k and v keep their strides (and bits)
+            zeros = qkv.new_zeros(batch, seq, self.num_heads, self.head_dim)
+            qkv = qkv + torch.cat([split.get(part, zeros) for part in "qkv"], dim=-2).flatten(-2)
         q, k, v = (
             t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-            for t in self.qkv_proj(x).split(width, dim=-1)
+            for t in qkv.split(width, dim=-1)
         )
         return self.attend(q, k, v, inputs)
+
+    def head_input_change(self, part, written, unwritten):
+        # Each copy through the shared bottleneck, and then through its own head's rows of up.
+        width = self.num_heads * self.head_dim
+        index = "qkv".index(part)
+        return self.qkv_proj.head_change(written, unwritten, slice(index * width, (index + 1) * width))
 
     # TransformerLens's weights, through the factored projections: exact with each bottleneck's
     # LayerNorm scale frozen at its value for the input (`qkv_proj.norm.norm_scale`,

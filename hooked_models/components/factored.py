@@ -73,6 +73,21 @@ class FactoredProjection(HookedModule):
         rest = output - self.out_bias() - terms.sum(-2)
         return terms + rest.unsqueeze(-2) / heads
 
+    def head_change(
+        self, written: Float[Tensor, "*batch heads in_features"], unwritten: Float[Tensor, "*batch heads in_features"],
+        rows: slice,
+    ) -> Float[Tensor, "*batch heads head_dim"]:
+        """How much output `rows`, cut into one equal slice per head, move when head n's input goes
+        from `unwritten[..., n, :]` to `written[..., n, :]` (slice n for copy n, each copy through the
+        whole bottleneck). Exactly zero where the two are equal: the written bottleneck is the
+        unwritten one plus down(written - unwritten), and both are normed in one call. No hook of the
+        projection fires (its values are those of the unsplit input)."""
+        z = nn.functional.linear(unwritten, self.down, self.down_bias)
+        moved = z + nn.functional.linear(written - unwritten, self.down)
+        normed = self.norm.forward_unhooked(torch.stack([moved, z]))
+        up = self.up[rows].view(written.shape[-2], -1, self.rank)
+        return torch.einsum("...nr,ndr->...nd", normed[0] - normed[1], up)
+
     def out_bias(self) -> Float[Tensor, "out_features"]:
         """The output's constant term: up(norm.bias), which no head owns."""
         return nn.functional.linear(self.norm.bias, self.up, self.up_bias)

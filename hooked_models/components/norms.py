@@ -40,6 +40,12 @@ class RMSNorm(HookedModule):
             normalized = torch.where(written == scale, normalized, x32 / written)
         return self.weight * self.norm_normalized(normalized.to(x.dtype))
 
+    def forward_unhooked(self, x: Float[Tensor, "*batch hidden_size"]) -> Float[Tensor, "*batch hidden_size"]:
+        """The same arithmetic with no hook firing: what per-head copies of the stream go through
+        (the norm's values are those of the stream itself, not of its copies)."""
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
@@ -79,6 +85,10 @@ class LayerNorm(HookedModule):
         given = (centred / self.norm_scale(scale.clone())).to(x.dtype)
         written = self.norm_normalized(given)
         return torch.where(written == computed, output, written * self.weight + self.bias)
+
+    def forward_unhooked(self, x: Float[Tensor, "*batch features"]) -> Float[Tensor, "*batch features"]:
+        """The same arithmetic with no hook firing (per-head copies of the stream go through it)."""
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -183,3 +183,19 @@ def test_train_sae_trains_evaluates_and_reads_features(tmp_path, run_in_process)
     sae = StandardSAE.load_from_disk(str(tmp_path / "sae"))
     assert sae.cfg.d_sae == 128 and sae.cfg.metadata.hook_name == "blocks.1.hook_resid_pre"
     assert_png(tmp_path / "sae.png")
+
+
+@pytest.mark.parametrize("family", ["arcee", "alpha-er"])
+def test_circuit_discovery_on_the_embedded_models(tmp_path, run_in_process, family):
+    stdout = run_in_process("circuit_discovery.py", "--family", family, "--prompts", "8",
+                            "--out", str(tmp_path / "circuit.png"))
+    r = float(stdout.split("against exact edge patching: correlation ")[1].split(",")[0])
+    assert r > 0.95  # EAP-IG against every edge patched exactly
+    kept = float(stdout.split("edges keep ")[1].split(" ")[0])
+    assert kept >= 0.9
+    # The first step of the IOI circuit (tutorial 2): the repeated name reaches layer 0's head 2 (Arcee;
+    # alpha-er's head 1) through the values of its key/value head.
+    first = stdout.split("of the logit difference\n")[1].splitlines()[0].split()
+    assert first[:3] == ["input", "->", "layers.0.self_attn.kv_head.1.v"]
+    assert_png(tmp_path / "circuit.png")
+    assert_png(tmp_path / "circuit_faithfulness.png")

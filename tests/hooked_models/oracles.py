@@ -24,7 +24,11 @@ the same arithmetic to the same elements. Values whose write has a documented me
 meaning in the reference: a written norm scale divides the stream (TransformerLens's hook_scale) where it
 changed; written head results become the attention output as their sum (plus the output's bias); a written
 dense expert neuron counts only inside the token's own expert; written ids are looked up; a written
-attention mask makes a position padding (keys no query attends to, positions counted over real tokens).
+attention mask makes a position padding (keys no query attends to, positions counted over real tokens); a
+written per-head copy of a layer's input (split inputs) is what that head's query, key or value is computed
+from, through the layer's input norm and the head's rows of the projection (alpha-er: the whole factored qkv
+projection, then the head's rows); a written copy of the MLP branch's input is what the MLP's norm reads,
+the residual keeping its own.
 """
 
 import math
@@ -69,6 +73,28 @@ def _rms_norm(prefix: str, module: str) -> dict[str, Oracle]:
     }
 
 
+COPY = "a copy of {layer}'s input (the layer input) per {heads}; "
+_SPLIT_WHY = ("the port adds the head's projection of its normed copy minus that of the normed stream to the "
+              "unsplit projection (so unwritten copies change no bit); the oracle projects the normed copy "
+              "alone: the same value, rounded in another order")
+
+
+def _split_inputs(layer: str, written: str, bound: float) -> dict[str, Oracle]:
+    """The split inputs' oracles: read, the layer input copied (bit for bit); written, the head's query, key
+    or value recomputed from its copy by the reference (`written` says how), within `bound` of the logits."""
+    def entry(heads: str, feeds: str) -> Oracle:
+        return Oracle(COPY.format(layer=layer, heads=heads) + f"written: {feeds} " + written,
+                      write_bound=bound, why=_SPLIT_WHY)
+
+    return {
+        "layers.{i}.self_attn.attention_query_inputs": entry("query head", "head h's query is"),
+        "layers.{i}.self_attn.attention_key_inputs": entry("key/value head", "key/value head j's key is"),
+        "layers.{i}.self_attn.attention_value_inputs": entry("key/value head", "key/value head j's value is"),
+        "layers.{i}.self_attn.attention_inputs": entry(
+            "query head", "head h's query, and (key/value head j reading copy j·groups) its key and value, are"),
+    }
+
+
 _HEAD_RESULTS_WHY = ("each head's share is a {d}-term product per output; the oracle computes it with "
                      "F.linear on the head's slice, the port with one einsum over heads: the same sum, "
                      "rounded in another order")
@@ -99,6 +125,11 @@ ORACLES: dict[str, dict[str, Oracle]] = {
             read_bound=1e-6, write_bound=1e-6, why=_HEAD_RESULTS_WHY.format(d="head_dim")),
         "layers.{i}.self_attn.attention_output": Oracle("layers[i].self_attn's output"),
         "layers.{i}.layer_mid": Oracle("layers[i].post_attention_layernorm's input (the residual after attention)"),
+        **_split_inputs("model.layers[i]", "that copy through ArceeRMSNorm.forward (layers[i].input_layernorm) "
+                        "and F.linear with the head's rows of q_proj (k_proj, v_proj)", 1e-5),
+        "layers.{i}.mlp_residual_input": Oracle(
+            "layers[i].post_attention_layernorm's input; written: what that norm reads, the decoder layer's "
+            "residual keeping layer_mid"),
         **_rms_norm("layers.{i}.post_attention_layernorm.", "layers[i].post_attention_layernorm"),
         "layers.{i}.mlp_norm_output": Oracle("layers[i].post_attention_layernorm's output"),
         "layers.{i}.mlp_input": Oracle("layers[i].mlp's input"),
@@ -166,6 +197,10 @@ ORACLES["alpha_er"] = {
     **_factored("layers.{i}.self_attn.o_proj.", "blocks[i].proj"),
     "layers.{i}.self_attn.attention_output": Oracle("blocks[i].proj's output"),
     "layers.{i}.layer_mid": Oracle(STEP + "x + proj(...), the residual after attention"),
+    **_split_inputs("blocks[i]", "blocks[i].qkv(blocks[i].ln1(copy)), the head's rows of its q (k, v) part "
+                    "(each copy through the whole factored projection)", 1e-5),
+    "layers.{i}.mlp_residual_input": Oracle(STEP + "what blocks[i].ln2 reads (the residual after attention); "
+                                                   "written: ln2's input only, x + y keeping the residual"),
     **_layer_norm("layers.{i}.post_attention_layernorm.", "blocks[i].ln2", "residual"),
     "layers.{i}.mlp_norm_output": Oracle("blocks[i].ln2's output"),
     "layers.{i}.mlp_input": Oracle("blocks[i].ln2's output, as the experts read it (.view(B, G, S, d))"),
@@ -203,10 +238,12 @@ ROLES = {"batch": "batch", "seq": "pos", "query": "pos", "num_heads": "head", "n
 # [batch head_index query_pos key_pos]), written here independently of the package's alias table.
 _TL_HEADS = ("batch", "pos", "head", None)
 TL_AXES = {
-    **dict.fromkeys(("hook_q", "hook_k", "hook_v", "hook_z", "hook_rot_q", "hook_rot_k", "hook_result"), _TL_HEADS),
+    **dict.fromkeys(("hook_q", "hook_k", "hook_v", "hook_z", "hook_rot_q", "hook_rot_k", "hook_result",
+                     "hook_q_input", "hook_k_input", "hook_v_input", "hook_attn_in"), _TL_HEADS),
     **dict.fromkeys(("hook_attn_scores", "hook_pattern"), ("batch", "head", "pos", None)),
     **dict.fromkeys(("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
-                     "hook_embed", "hook_pos_embed", "hook_normalized", "hook_scale", "hook_pre", "hook_post"),
+                     "hook_embed", "hook_pos_embed", "hook_normalized", "hook_scale", "hook_pre", "hook_post",
+                     "hook_mlp_in"),
                     ("batch", "pos", None)),
 }
 
@@ -319,6 +356,36 @@ def positions_over_real_tokens(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
+def split_copies(probe: "Probe", prefix: str, x: Tensor, heads: int, kv_heads: int) -> dict[str, Tensor]:
+    """The split inputs of a layer whose input is `x`, as points: a copy of x per query head that all three
+    parts read (`attention_inputs`; key/value head j reads copy j·groups), then per part a copy per head
+    (queries) or per key/value head (keys, values). Returns the copies of each part a write changed."""
+    def copies(n: int) -> Tensor:
+        return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+
+    shared = probe(prefix + "attention_inputs", copies(heads))
+    changed = {}
+    for part, value, n in (("q", "attention_query_inputs", heads), ("k", "attention_key_inputs", kv_heads),
+                           ("v", "attention_value_inputs", kv_heads)):
+        base = shared if part == "q" else shared[..., ::heads // kv_heads, :]
+        written = probe(prefix + value, base)
+        if not torch.equal(written, copies(n)):
+            changed[part] = written
+    return changed
+
+
+def recompute_heads(out: Tensor, copies: Tensor, x: Tensor, head_from: Callable[[Tensor, int], Tensor]) -> Tensor:
+    """A projection's output [batch seq heads·dim] with each head whose copy of `x` differs from x replaced
+    by `head_from(copy, head)`, the reference's computation of that head from its copy."""
+    heads = copies.shape[-2]
+    d = out.shape[-1] // heads
+    out = out.clone()
+    for h in range(heads):
+        if not torch.equal(copies[..., h, :], x):
+            out[..., h * d:(h + 1) * d] = head_from(copies[..., h, :], h)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ Arcee
 def _registered_attention(eager: bool):
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -424,7 +491,31 @@ class ArceeReference:
         attn, mlp = layer.self_attn, layer.mlp
         attn.oracle_harness = self
         kept = {}
-        self._hook(layer, pre=lambda args: (self.probe(p + "layer_input", args[0]), *args[1:]))
+
+        def layer_input(args):
+            x = self.probe(p + "layer_input", args[0])
+            kept["x"], kept["split"] = x, split_copies(self.probe, p + "self_attn.", x, self.heads, self.kv_heads)
+            return (x, *args[1:])
+
+        def from_copies(part: str, proj):
+            """A projection's output, heads whose split input a write changed recomputed from their copy."""
+            norm = layer.input_layernorm
+
+            def head_from(copy: Tensor, h: int) -> Tensor:
+                d = proj.weight.shape[0] // kept["split"][part].shape[-2]
+                # ArceeRMSNorm.forward called directly: the norm's own recording hooks stay for the stream.
+                return F.linear(type(norm).forward(norm, copy), proj.weight[h * d:(h + 1) * d])
+
+            def post(args, out):
+                if part not in kept["split"]:
+                    return out
+                return recompute_heads(out, kept["split"][part], kept["x"], head_from)
+
+            return post
+
+        self._hook(layer, pre=layer_input)
+        for part, proj in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)):
+            proj.register_forward_hook(lambda m, args, out, post=from_copies(part, proj): post(args, out))
         self._hook(layer.input_layernorm, post=lambda args, out: self.probe(
             p + "attention_norm_output",
             rms_norm_steps(layer.input_layernorm, args[0], out, self.probe, p + "input_layernorm.")))
@@ -439,7 +530,8 @@ class ArceeReference:
 
         def mid(args):
             kept["mid"] = self.probe(p + "layer_mid", args[0])
-            return (kept["mid"],)
+            # The MLP branch's copy: what the norm reads; the decoder layer's residual stays kept["mid"].
+            return (self.probe(p + "mlp_residual_input", kept["mid"]),)
 
         # A written layer_mid is the residual too: the layer then returns it plus the MLP's output,
         # as transformers' `residual + hidden_states`.
@@ -567,8 +659,15 @@ class AlphaErReference:
         H = blk.cfg.n_head
         hd = d // H
         x = at(p + "layer_input", x)
+        split = split_copies(at, p + "self_attn.", x, H, H)
         a = at(p + "attention_norm_output", self.module_norm(p + "input_layernorm.", blk.ln1, x))
         q, k, v = self.factored_steps(p + "self_attn.qkv_proj.", blk.qkv, a).split(d, dim=-1)
+
+        def head_from(part: int):  # a copy through ln1 and the whole factored qkv, then the head's rows
+            return lambda copy, h: blk.qkv(blk.ln1(copy)).split(d, dim=-1)[part][..., h * hd:(h + 1) * hd]
+
+        q, k, v = (recompute_heads(t, split[part], x, head_from(n)) if part in split else t
+                   for n, (part, t) in enumerate(zip("qkv", (q, k, v))))
         q = at(p + "self_attn.attention_queries", q.view(B, T, H, hd).transpose(1, 2))
         k = at(p + "self_attn.attention_keys", k.view(B, T, H, hd).transpose(1, 2))
         v = at(p + "self_attn.attention_values", v.view(B, T, H, hd).transpose(1, 2))
@@ -591,7 +690,8 @@ class AlphaErReference:
         x = at(p + "layer_mid", x + at(p + "self_attn.attention_output", attn_out))
         G = blk.cfg.mlp_experts
         S = T // G
-        m = at(p + "mlp_norm_output", self.module_norm(p + "post_attention_layernorm.", blk.ln2, x))
+        branch = at(p + "mlp_residual_input", x)  # what ln2 reads; the residual below keeps x
+        m = at(p + "mlp_norm_output", self.module_norm(p + "post_attention_layernorm.", blk.ln2, branch))
         m = at(p + "mlp_input", m)
         at(p + "mlp.mlp_expert_index", (torch.arange(T, device=x.device) // S).expand(B, T))
         b = m.view(B, G, S, d)

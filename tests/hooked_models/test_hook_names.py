@@ -22,7 +22,7 @@ def test_hook_dict_holds_each_point_under_both_names(tiny_arcee):
     assert len({id(p) for p in tiny_arcee.hook_dict.values()}) == len(tiny_arcee.standard_hook_dict)
 
 
-def test_cache_everything_leaves_per_head_results_to_request(tiny_arcee):
+def test_cache_everything_leaves_per_head_values_to_request(tiny_arcee):
     ids = torch.randint(0, 97, (1, 6))
     _, cache = tiny_arcee.run_with_cache(ids)
     assert "layers.0.self_attn.attention_head_results" not in cache.cache_dict
@@ -30,11 +30,26 @@ def test_cache_everything_leaves_per_head_results_to_request(tiny_arcee):
     _, asked = tiny_arcee.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_result"))
     assert set(asked.cache_dict) == {"layers.0.self_attn.attention_head_results",
                                      "layers.1.self_attn.attention_head_results"}
-    tiny_arcee.set_use_attn_result(True)
+    # Each TransformerLens switch brings its own values into a cache-everything run, and only those.
+    switches = {"set_use_attn_result": ("attention_head_results",),
+                "set_use_split_qkv_input": ("attention_query_inputs", "attention_key_inputs", "attention_value_inputs"),
+                "set_use_attn_in": ("attention_inputs",),
+                "set_use_hook_mlp_in": ("mlp_residual_input",)}
+    for switch, values in switches.items():
+        getattr(tiny_arcee, switch)(True)
+        try:
+            _, with_switch = tiny_arcee.run_with_cache(ids)
+        finally:
+            getattr(tiny_arcee, switch)(False)
+        added = set(with_switch.cache_dict) - set(cache.cache_dict)
+        assert added == {f"layers.{i}.{'' if v.startswith('mlp') else 'self_attn.'}{v}" for i in (0, 1) for v in values}
+    for switch in switches:
+        getattr(tiny_arcee, switch)(True)
     try:
         _, everything = tiny_arcee.run_with_cache(ids)
     finally:
-        tiny_arcee.set_use_attn_result(False)
+        for switch in switches:
+            getattr(tiny_arcee, switch)(False)
     assert set(everything.cache_dict) == set(tiny_arcee.standard_hook_dict)
     torch.testing.assert_close(everything["blocks.1.attn.hook_result"].sum(-2),
                                everything["blocks.1.hook_attn_out"], rtol=1e-5, atol=1e-6)
