@@ -8,6 +8,7 @@ dispatch does), so the families' forwards need no device logic and a single-devi
 """
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -111,3 +112,22 @@ def to_device(value, device: torch.device):
         moved = {k: v for k, v in changes.items() if v is not getattr(value, k)}
         return dataclasses.replace(value, **moved) if moved else value
     return value
+
+
+def free_memory(device: Device) -> int:
+    """Bytes free on `device` now: CUDA's `mem_get_info`; on the CPU, MemAvailable from /proc/meminfo
+    (Linux), else the available physical pages (`os.sysconf`), else 4 GiB."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 4 * 2**30

@@ -38,4 +38,4 @@ class PreNormBlock(HookedModule):
         attention_output = self.self_attn(self.attention_norm_output(self.input_layernorm(x)), inputs)
         h = self.layer_mid(x + attention_output)
         mlp_in = self.mlp_input(self.mlp_norm_output(self.post_attention_layernorm(h)))
-        return self.layer_output(h + self.mlp(mlp_in))
+        return self.layer_output(h + self.mlp(mlp_in, inputs))
