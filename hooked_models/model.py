@@ -384,7 +384,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
                                  f"{tuple(input.shape[:2])} positions")
         else:
             self._check_sequence(input.shape[1], attention_mask, past)
-            attention_mask = self._checked_mask(attention_mask, tuple(input.shape[:2]), input.device)
+            attention_mask = self._checked_mask(attention_mask, tuple(input.shape[:2]), input.device, past)
         return input, tokens, attention_mask
 
     @staticmethod
@@ -435,7 +435,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         if tokens.numel() == 0:
             raise ValueError(f"tokens are empty (shape {tuple(tokens.shape)}); give at least one token")
         self._check_token_ids(tokens, "token id")
-        attention_mask = self._checked_mask(attention_mask, tuple(tokens.shape), tokens.device)
+        attention_mask = self._checked_mask(attention_mask, tuple(tokens.shape), tokens.device, past)
         self._check_sequence(tokens.shape[1], attention_mask, past)
         return tokens.long(), attention_mask  # uint8 and int16 ids too: the forward's annotations say signed
 
@@ -447,15 +447,16 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         if seq > self.max_positions:
             raise ValueError(f"sequence length {seq} exceeds the model's {self.max_positions} positions")
 
-    def _checked_mask(self, attention_mask, shape: tuple[int, ...], device) -> Tensor | None:
-        """The mask as long ids of 0 and 1, of the inputs' [batch seq] shape, with a real token per row."""
+    def _checked_mask(self, attention_mask, shape: tuple[int, ...], device, past: int = 0) -> Tensor | None:
+        """The mask as long ids of 0 and 1, of the inputs' [batch seq] shape, with a real token per row
+        (unless `past` cached positions precede them: the real tokens may all be there)."""
         if attention_mask is None:
             return None
         if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
             raise ValueError(f"attention_mask has shape {got}, but the tokens are {shape}")
         self._check_mask_values(attention_mask, "attention_mask")
-        if bool((attention_mask.sum(-1) == 0).any()):
+        if not past and bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("attention_mask has a row with no real token (all zeros)")
         return attention_mask.to(device=device, dtype=torch.long)  # bool and float masks too
 

@@ -12,11 +12,15 @@ that carries it, indexed along the dimensions its layout names (`seq`, `num_head
 aliases). Nothing here knows a family: the sites, dimensions and sizes come from the vocabulary.
 
 Denoising runs the corrupted input and writes in the clean run's activations; noising runs the clean
-input and writes in the corrupted run's. Many patches share one forward: the input is repeated once
-per patch along the batch and each copy gets its own patch (a `torch.where` against a per-copy mask),
-in chunks sized to a memory budget. A patch that writes what is already there is not run (its metric is
-the unpatched one), and the layers below a chunk's earliest patch are replayed from the unpatched run
-instead of recomputed: both exact, since a patch cannot reach back. Attribution patching (Nanda 2023,
+input and writes in the corrupted run's. A patch cannot reach back: a patch at layer l that first
+writes something new at position p leaves every layer below l and every position before p as in the
+run it is written into. So a patched run computes only layers l ... and positions p ...: it starts
+at layer l (`start_at_layer`) from the unpatched run's residual stream there, its attention reading
+the earlier positions' keys and values from a key/value cache filled from the unpatched run, and the
+metric gets the unpatched run's logits before p. A patch that writes nothing new is not run at all
+(its metric is the unpatched one). Many patches share a forward: each is a copy of the prompts along
+the batch with its own patch (a `torch.where` against a per-copy mask), copies join the batch at
+their own layer, and the forwards are sized to a memory budget. Attribution patching (Nanda 2023,
 "Attribution Patching") estimates every patch at once from one forward and one backward:
 effect ≈ Σ grad · (source − base).
 """
@@ -495,7 +499,8 @@ def activation_patch(
       attention values, neurons for MLP values); the layer axis always comes first.
     select: restrict axes to some indices, e.g. {"layer": [3, 4], "seq": [9]}.
     batch_size: patched copies per forward (default: as many as `memory_budget` bytes allow).
-    memory_budget: bytes the patched forwards may take (default: half the device's free memory).
+    memory_budget: bytes the patched forwards may take, by `row_bytes`'s estimate of a copy (default:
+      half the device's free memory, `hooked_models.devices.free_memory`).
     progress: a tqdm bar (default: when stderr is a terminal and the sweep takes several forwards).
     attention_mask: 1 for real tokens, 0 for padding [batch seq], shared by clean and corrupted.
 
@@ -540,7 +545,7 @@ def activation_patch(
         bar.update(len(patches) - len(jobs))
         for chunk in chunks:
             chunk = sorted(chunk, key=lambda job: job.stage)
-            start = chunk[0].start if len(chunk) == 1 else min(job.start for job in chunk)
+            start = min(job.start for job in chunk)
             logits = _run_chunk(model, chunk, start, base_run, cache, values)
             for job, copy in zip(chunk, logits.unflatten(0, (len(chunk), -1))):
                 if start:  # positions before the window: the unpatched run's logits (a patch cannot reach back)
@@ -685,7 +690,7 @@ def _chunks(jobs: list[_Job], batch: int, seq: int, num_layers: int, capacity: C
     positions between the two starts for nothing; it is done when that costs less than a forward of
     their own, counted in rows through a layer, `call_rows` for each layer a forward runs.
     """
-    def cost(chunk: list[_Job]) -> float:
+    def cost(chunk: list[_Job]) -> float | int:
         window = seq - min(job.start for job in chunk)
         joined = sorted(job.stage for job in chunk)
         return sum(call_rows + batch * window * bisect_right(joined, stage)

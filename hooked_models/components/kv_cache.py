@@ -55,7 +55,7 @@ class KeyValueCache:
 
     def extend_mask(
         self, attention_mask: Int[Tensor, "batch seq"] | None, batch: int, seq: int, device: torch.device
-    ) -> Int[Tensor, "batch seq"] | None:
+    ) -> Int[Tensor, "batch key"] | None:
         """Append the new positions' mask; the mask over every position so far, or None without padding."""
         new = torch.ones(batch, seq, dtype=torch.long, device=device) if attention_mask is None else attention_mask
         if self._mask is not None and self._mask.shape[0] != batch:
