@@ -52,24 +52,27 @@ def test_routing_and_dense_neurons(mlp, seq):
         mlp(x)
 
 
-def test_a_write_to_one_neuron_flows_on(mlp):
-    x = torch.randn(1, 8, HIDDEN)
-    g, n = 2, 3
-
-    def zero(t, hook):
+def zeroing(g: int, n: int):
+    """Neuron n of expert g set to zero: (a hook on the dense neurons, the same edit for `per_token`)."""
+    def hook(t, hook):
         t = t.clone()
         t[..., g * WIDTH + n] = 0.0
         return t
 
-    mlp.mlp_neurons.add_hook(zero)
-    edited = mlp(x)
-
-    def zero_ref(h, expert, t):
+    def edit(h, expert, t):
         if expert == g:
             h = h.clone()
             h[:, n] = 0.0
         return h
 
+    return hook, edit
+
+
+def test_a_write_to_one_neuron_flows_on(mlp):
+    x = torch.randn(1, 8, HIDDEN)
+    zero, zero_ref = zeroing(2, 3)
+    mlp.mlp_neurons.add_hook(zero)
+    edited = mlp(x)
     _, expected = per_token(mlp, x, zero_ref)
     torch.testing.assert_close(edited, expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(edited, per_token(mlp, x)[1], atol=1e-4)
@@ -123,15 +126,8 @@ def test_a_window_routes_by_absolute_position(mlp, seq):
     the hooks see the window's own positions, and a write there flows on."""
     x = torch.randn(2, seq, HIDDEN)
     neurons, expected = per_token(mlp, x)
-    g, n = 2, 3  # a neuron of the expert that owns the positions from seq/2 on
-
-    def zero(h, expert, t):
-        if expert == g:
-            h = h.clone()
-            h[:, n] = 0.0
-        return h
-
-    _, zeroed = per_token(mlp, x, zero)
+    write, edit = zeroing(2, 3)  # a neuron of the expert that owns the positions from seq/2 on
+    _, zeroed = per_token(mlp, x, edit)
     for start in range(seq):
         seen = {}
         mlp.mlp_neurons.add_hook(lambda t, hook: seen.update({"neurons": t}))
@@ -142,12 +138,6 @@ def test_a_window_routes_by_absolute_position(mlp, seq):
         assert seen["experts"].tolist() == [[t * EXPERTS // seq for t in range(start, seq)]] * 2
         mlp.mlp_neurons.remove_hooks()
         mlp.mlp_expert_index.remove_hooks()
-
-        def write(t, hook):
-            t = t.clone()
-            t[..., g * WIDTH + n] = 0.0
-            return t
-
         mlp.mlp_activation.add_hook(write)
         torch.testing.assert_close(mlp(x[:, start:], AttentionInputs(window=(start, seq))), zeroed[:, start:],
                                    rtol=1e-5, atol=1e-6)
