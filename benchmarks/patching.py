@@ -1,6 +1,7 @@
 """Activation patching: hooked_models.patching against transformer_lens.patching, and the FLOP floor.
 
-    python benchmarks/patching.py --threads 1                # the embedded IOI model, 32 prompt pairs
+    python benchmarks/patching.py --threads 1                # the embedded IOI model (Arcee), 32 prompt pairs
+    python benchmarks/patching.py --threads 1 --family alpha-er --sweeps layer_input attention_head_outputs
     python benchmarks/patching.py --size --threads 1         # random Arcee 8 × 1024 and 32 × 1024, induction
     python benchmarks/patching.py --model PATH --device cuda --prompts 8
 
@@ -11,7 +12,9 @@ run only over the layers and positions its patch can change. The results are che
 the first timed round), the contenders run in turn within each round (so load on the machine hits
 both alike), and the median CPU time of each is printed with their ratio. `floor` is the ratio a
 perfect skip would reach: the FLOPs of one full forward per patch over the FLOPs of running each patch
-only from its layer and its first changed position on (nothing for a patch that changes nothing).
+only from its layer and its first changed position on (nothing for a patch that changes nothing);
+FLOPs are 2 per parameter per position (every expert's, for alpha-er: its floor weighs the layers a
+little too much against the head) plus the attention's scores and mix.
 Not a test: timings belong here, never in an assertion.
 
 `--size` builds the models itself: Arcee with 8 layers, hidden 1024, 8 query heads over 2 key/value
@@ -105,7 +108,9 @@ def compare(model, task, device: str, values: list[str], rounds: int, warmup: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--model", default="embedded", help="'embedded' or a checkpoint (family detected)")
+    parser.add_argument("--family", choices=("arcee", "alpha-er"), default="arcee",
+                        help="which embedded model --model embedded means (default: %(default)s)")
     parser.add_argument("--size", action="store_true",
                         help="build random Arcee models of 8 and 32 layers × 1024 (see the docstring) instead")
     parser.add_argument("--depths", type=int, nargs="+", default=[8, 32], help="the --size models' layers")
@@ -132,7 +137,7 @@ def main() -> None:
     if sized:
         models = (sized_arcee(depth, args.device, DTYPES[args.dtype]) for depth in args.depths)
     else:
-        family = "arcee" if args.model == "embedded" else detect_family(args.model)
+        family = args.family if args.model == "embedded" else detect_family(args.model)
         cls = HookedArcee if family == "arcee" else HookedAlphaEr
         models = [cls.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device).eval()]
     for model in models:

@@ -282,7 +282,10 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         logits bit for bit.
 
         `past_kv_cache` (families with `supports_kv_cache`) holds the earlier positions: `tokens` and
-        `attention_mask` are then the new positions only, and the cache grows by them. `logits_to_keep`
+        `attention_mask` are then the new positions only, and the cache grows by them; positions,
+        rotary, mask (and alpha-er's expert routing) continue after the cached ones. With
+        `start_at_layer` the input is the new positions' residual stream: a window of another run
+        whose keys and values `KeyValueCache.prefilled` holds (activation patching's partial runs). `logits_to_keep`
         > 0 (same families) computes the logits of the last that many positions only, as generation
         needs: `lm_head_output`, `logits` and `next_token_probs` then cover those positions.
         """
