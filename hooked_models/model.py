@@ -23,10 +23,12 @@ from transformer_lens.utilities import Slice
 
 from hooked_models.cache import HookedActivationCache
 from hooked_models.components.kv_cache import KeyValueCache
+from hooked_models.devices import resolve_device
+from hooked_models.dtypes import is_dtype_name, resolve_dtype
 from hooked_models.generation import GenerationMixin
 from hooked_models.hooks import HookedModule, UnknownHookError, ValueHook, check_hook_write
 from hooked_models.transformer_lens_compat import TransformerLensModel
-from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
+from hooked_models.vocabulary import SYNONYMS, Support, SupportRow, Value, tl_module_path
 
 
 class _AliasHook:
@@ -109,8 +111,9 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
 
     def _name_hint(self, name: str) -> str:
-        """The nearest standard or TransformerLens names, compared with the layer index set aside, so
-        a typo in layer 3 suggests layer 3's names and a TransformerLens shorthand suggests its hook."""
+        """The values a name means: a synonym's (vocabulary.SYNONYMS: `pattern`, `resid_pre`,
+        `attentions_output`), else the nearest standard or TransformerLens names, compared with the layer
+        index set aside, so a typo in layer 3 suggests layer 3's names and a shorthand suggests its hook."""
         layered = re.compile(r"^(layers|blocks)\.(\d+)\.")
         names = list(self.hook_dict)
         num_layers = 1 + max((int(m.group(2)) for n in names if (m := layered.match(n))), default=-1)
@@ -119,6 +122,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         if match and int(match.group(2)) >= num_layers:
             return f": layer {match.group(2)} is out of range, the model has {num_layers} layers (0 to {num_layers - 1})"
         layer = match.group(2) if match else "0"
+        meant = self._synonym_names(name.rpartition(".")[2].removeprefix("hook_").lower(), layer)
+        if meant:
+            shown = [f"{n!r}" + (f" (TransformerLens {self._alias_names[n][0]!r})" if n in self._alias_names else "")
+                     for n in meant]
+            return f"; did you mean {' or '.join(shown)}?"
         query = layered.sub(r"\1.{i}.", name)
         close = difflib.get_close_matches(query, templates, n=3, cutoff=0.6)
         if not close and "." not in name:
@@ -128,9 +136,44 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         close = [c.replace("{i}", layer) for c in close]
         return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
+    def _synonym_names(self, word: str, layer: str) -> list[str]:
+        """Up to three names of the value a synonym means, those of `layer` where the value is per layer,
+        those TransformerLens also has first (a residual norm's scale before a bottleneck's)."""
+        for value_name in SYNONYMS.get(word, ()):
+            found = [n for n, point in self.standard_hook_dict.items()
+                     if getattr(point, "value", None) is not None and point.value.name == value_name
+                     and (not n.startswith("layers.") or n.startswith(f"layers.{layer}."))]
+            if found:
+                return sorted(found, key=lambda n: n not in self._alias_names)[:3]
+        return []
+
     def hook_names(self, name: str) -> list[str]:
         """Every name a HookPoint answers to: its standard name first, then its aliases."""
         return [name, *self._alias_names.get(name, [])]
+
+    def filter_matches(self, names_filter: Callable[[str], bool]) -> Callable[[str], str | None]:
+        """The rule for a filter on names (a `names_filter`, or a filter in `fwd_hooks` or `add_hook`).
+
+        A value answers to its standard name and to its TransformerLens names, and the filter is asked
+        about each. A filter that turns down a name no model has (an inclusion filter, such as
+        `lambda n: n.endswith("hook_z")`) selects a value if it accepts any of its names; a filter that
+        accepts such a name (an exclusion filter, such as `lambda n: not n.endswith("attention_scores")`)
+        selects it only if it accepts all of them. So a filter written in either naming selects the same
+        values: the other naming can neither add a value it excludes nor drop one it names.
+
+        Returns: standard name -> the name the value matched under (the standard name, or the
+        TransformerLens name an inclusion filter accepted first), or None.
+        """
+        excludes = bool(names_filter(""))  # "" is no model's name
+
+        def match(canonical: str) -> str | None:
+            names = self.hook_names(canonical)
+            accepted = [n for n in names if names_filter(n)]
+            if excludes:
+                return canonical if len(accepted) == len(names) else None
+            return accepted[0] if accepted else None
+
+        return match
 
     def _matching_points(self, name: str | Callable[[str], bool]):
         """(HookPoint, standard name, alias or None) for a name or a filter on names."""
@@ -138,8 +181,9 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             canonical, _ = self.resolve_hook_name(name)
             yield self.standard_hook_dict[canonical], canonical, (name if name != canonical else None)
             return
+        match = self.filter_matches(name)
         for canonical, point in self.standard_hook_dict.items():
-            matched = next((n for n in self.hook_names(canonical) if name(n)), None)
+            matched = match(canonical)
             if matched is not None:
                 yield point, canonical, (matched if matched != canonical else None)
 
@@ -163,9 +207,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
                           cache=None, pos_slice=None):
         """Hooks that store each selected value under its standard name.
 
-        `names_filter` may name values by standard or TransformerLens name; `pos_slice` slices each
-        value's own position axis, read from its layout. With no filter, every value is cached but
-        the on-request ones (per-head results), unless `set_use_attn_result(True)` asked for them.
+        `names_filter` is a name, a list of names (standard or TransformerLens), or a function of a name,
+        applied by `filter_matches`'s rule (an inclusion filter takes a value it accepts under any of its
+        names, an exclusion filter only one it accepts under all of them). `pos_slice` slices each value's
+        own position axis, read from its layout. With no filter, every value is cached but the on-request
+        ones (per-head results), unless `set_use_attn_result(True)` asked for them.
         """
         cache = {} if cache is None else cache
         pos_slice = Slice.unwrap(pos_slice)
@@ -178,7 +224,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         elif isinstance(names_filter, (list, tuple, set)):
             selected = {self.resolve_hook_name(n)[0] for n in names_filter}.__contains__
         elif callable(names_filter):
-            selected = lambda name: any(names_filter(n) for n in self.hook_names(name))  # noqa: E731
+            match = self.filter_matches(names_filter)
+            selected = lambda name: match(name) is not None  # noqa: E731
         else:
             raise ValueError(f"names_filter must be a name, a list of names or a function, not {names_filter!r}")
         self.is_caching = True
@@ -206,17 +253,47 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     def run_with_cache(self, *model_args, names_filter=None, device=None, remove_batch_dim=False,
                        incl_bwd=False, reset_hooks_end=True, clear_contexts=False, pos_slice=None,
                        return_cache_object=True, **model_kwargs):
-        """Run the model and return (output, cache): an ActivationCache keyed by standard names."""
+        """Run the model and return (output, cache): an ActivationCache keyed by standard names.
+
+        `incl_bwd=True` also caches each value's gradient (`name + "_grad"`) by backpropagating what the
+        model returns, which must then be a scalar, as in TransformerLens:
+        `run_with_cache(tokens, return_type="loss", incl_bwd=True)`. For another metric, add backward hooks
+        (`run_with_hooks(..., bwd_hooks=...)`) or use `patching.attribution_patch`.
+        """
         cache_dict, fwd, bwd = self.get_caching_hooks(names_filter, incl_bwd, device, remove_batch_dim,
                                                       pos_slice=pos_slice)
         with self.hooks(fwd_hooks=fwd, bwd_hooks=bwd, reset_hooks_end=reset_hooks_end,
                         clear_contexts=clear_contexts):
             out = self(*model_args, **model_kwargs)
             if incl_bwd:
+                if not (isinstance(out, Tensor) and out.numel() == 1):
+                    got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+                    raise ValueError(
+                        f"incl_bwd=True backpropagates what the model returns, which must be a scalar, but it "
+                        f"returned {got}; pass return_type=\"loss\" (the mean next-token loss), as in "
+                        "TransformerLens: model.run_with_cache(tokens, return_type=\"loss\", incl_bwd=True)")
                 out.backward()
         if not return_cache_object:
             return out, cache_dict
         return out, HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
+    def to(self, *args, **kwargs):
+        """`nn.Module.to`, taking dtype names too ("bfloat16", "bf16", "fp16": hooked_models.dtypes) and
+        checking the device (a clear error for "cuda" without CUDA); `cfg.dtype` and `cfg.device` follow."""
+        args = [resolve_dtype(a) if isinstance(a, str) and is_dtype_name(a)
+                else resolve_device(a) if isinstance(a, (str, torch.device)) else a for a in args]
+        if kwargs.get("dtype") is not None:
+            kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+        if kwargs.get("device") is not None:
+            kwargs["device"] = resolve_device(kwargs["device"])
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        super().to(*args, **kwargs)
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None and dtype is not None:
+            cfg.dtype = dtype
+        if cfg is not None and device is not None:
+            cfg.device = device
+        return self
 
     # ----------------------------------------------------------------------------------- views
     def support(self) -> Support:
