@@ -104,7 +104,8 @@ def compare(model, task, device: str, values: list[str], rounds: int, warmup: in
         (ours_cpu, ours_wall), (theirs_cpu, theirs_wall) = times["hooked_models"], times["transformer_lens"]
         print(f"  {value:<24} {' × '.join(over):<13} hooked_models {ours_cpu * 1e3:9.1f} ms   transformer_lens "
               f"{theirs_cpu * 1e3:9.1f} ms   speed-up {theirs_cpu / ours_cpu:4.2f}x   floor "
-              f"{floor_ratio(model, clean, corrupted, value):4.2f}x   (wall {ours_wall * 1e3:.0f} / {theirs_wall * 1e3:.0f} ms)")
+              f"{floor_ratio(model, clean, corrupted, value):4.2f}x   "
+              f"(wall {ours_wall * 1e3:.0f} / {theirs_wall * 1e3:.0f} ms)")
 
 
 def main() -> None:
@@ -122,7 +123,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompt pairs (default: 4 with --size, else 32)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed rounds, the median reported (default: 1 with --size, else 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 0 with --size, else 1)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed rounds first (default: 0 with --size, else 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:

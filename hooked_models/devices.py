@@ -3,7 +3,8 @@
 
 `resolve_device` turns "cuda", "cuda:1", "mps" or a torch.device into a torch.device that exists here, or
 raises a ValueError naming it and the devices there are (torch's own errors for a missing backend are an
-AssertionError with no device list, or a failure deep inside the first copy).
+AssertionError with no device list, or a failure deep inside the first copy). `free_memory` says how many
+bytes a device has free (activation patching's default memory budget).
 
 Layers go in contiguous groups: layer i of L on device i·n // L (TransformerLens's
 `utilities.multi_gpu.get_device_for_block_index`), the embeddings with the first layer, the final

@@ -458,14 +458,15 @@ def row_bytes(model, tokens: Tensor, start: int = 0) -> int:
 
 # A rough model of a device, for the choice of which patches share a forward (never for a result):
 # FLOP/s (per thread on a CPU), bytes/s read from memory, and seconds a layer call costs in Python.
-_DEVICE_SPEED = {"cpu": (5e10, 1e10, 3e-4), "cuda": (1e14, 2e12, 3e-4)}
+# The CPU's are one thread of the 2-core EPYC the benchmarks ran on (benchmarks/README.md).
+_DEVICE_SPEED = {"cpu": (5e10, 5e9, 3e-4), "cuda": (1e14, 2e12, 3e-4)}
 
 
 def layer_call_rows(model) -> float:
     """What running a layer once costs beyond the rows it runs, counted in rows (a row is one
     position of one copy through one layer): reading the layer's weights and the call's own overhead,
     on a roofline of the device (`_DEVICE_SPEED`). Large for a small model (the overhead dominates),
-    about 10 for an 8-layer, 1024-wide float32 model on one CPU thread."""
+    about 20 for an 8-layer, 1024-wide float32 model on one CPU thread."""
     weight = next(model.parameters())
     flops, bandwidth, overhead = _DEVICE_SPEED["cuda" if weight.is_cuda else "cpu"]
     if not weight.is_cuda:
@@ -731,14 +732,15 @@ def _run_chunk(model, jobs: list[_Job], start: int, base: _BaseRun, source_cache
         window_mask = None if mask is None else mask[:, start:].repeat(count, 1)
         cache = None
         if start:
-            prefix = torch.ones(batch, start, dtype=torch.long, device=tokens.device) if mask is None else mask[:, :start]
+            prefix = mask[:, :start] if mask is not None else torch.ones(batch, start, dtype=torch.long,
+                                                                          device=tokens.device)
             layers = range(max(stage, 0), num_layers if stop is None else stop)
             cache = KeyValueCache.prefilled(prefix.repeat(count, 1), {
                 base.keys_values[layer][0]: tuple(base.cache[name][:, :, :start].repeat(count, 1, 1, 1)
                                                   for name in base.keys_values[layer][1:])
                 for layer in layers
             }, room=seq - start)
-        hooks = _patch_hooks(jobs[:count], joiners, source_cache, values, start)
+        hooks = _patch_hooks(jobs[:count], stage, source_cache, values, start)
         with model.hooks(fwd_hooks=hooks):
             if stage < 0:
                 x = model(tokens[:, start:].repeat(count, 1), attention_mask=window_mask, stop_at_layer=stop,
@@ -751,15 +753,15 @@ def _run_chunk(model, jobs: list[_Job], start: int, base: _BaseRun, source_cache
     return x
 
 
-def _patch_hooks(batch_jobs: list[_Job], joiners: list[_Job], source_cache, values: dict[str, Value],
+def _patch_hooks(batch_jobs: list[_Job], stage: int, source_cache, values: dict[str, Value],
                  start: int) -> list[tuple[str, Callable]]:
-    """A hook per site the joiners patch, writing each joiner's copy among the `batch_jobs` copies."""
+    """A hook per site patched at `stage`, writing each of its jobs' copies among the `batch_jobs` copies."""
     hooks = []
-    for site in dict.fromkeys(job.patch.site for job in joiners):
+    for site in dict.fromkeys(job.patch.site for job in batch_jobs if job.stage == stage):
         value = values[site]
         source = _window(source_cache[site], value, start)
-        indices = [_shifted(job.patch.index, value, start) if job in joiners and job.patch.site == site else None
-                   for job in batch_jobs]
+        indices = [_shifted(job.patch.index, value, start) if job.stage == stage and job.patch.site == site
+                   else None for job in batch_jobs]
         mask = _mask(indices, tuple(source.shape[1:]), source.device)
         hooks.append((site, partial(_write_patches, mask=mask, source=source)))
     return hooks

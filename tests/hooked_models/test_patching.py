@@ -387,7 +387,8 @@ def test_sites_and_errors(tiny_arcee, prompts):
     with pytest.raises(ValueError, match="one shape"):
         patching.activation_patch(tiny_arcee, clean, corrupted[:, :-1], metric)
     with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 7\), but the prompts are \(2, 8\)"):
-        patching.activation_patch(tiny_arcee, clean, corrupted, metric, attention_mask=torch.ones(2, 7, dtype=torch.long))
+        patching.activation_patch(tiny_arcee, clean, corrupted, metric,
+                                  attention_mask=torch.ones(2, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="must return a scalar"):
         patching.activation_patch(tiny_arcee, clean, corrupted, lambda logits: logits[:, -1, 0], select={"pos": [0]})
     with pytest.raises(ValueError, match="direction"):

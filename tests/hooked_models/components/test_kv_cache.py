@@ -41,8 +41,8 @@ def test_cache_errors(tiny_arcee, reference_alpha_er_factory):
     cache = KeyValueCache.prefilled(torch.ones(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="sequence length 7 is not a multiple of mlp_experts=4"):
         alpha_er(torch.ones(1, 2, dtype=torch.long), past_kv_cache=cache)
-    with pytest.raises(ValueError, match=r"keys \(1, 4, 3, 6\) and values \(1, 4, 3, 6\) do not cover the mask's 1 rows "
-                                         r"× 5 positions"):
+    with pytest.raises(ValueError, match=r"keys \(1, 4, 3, 6\) and values \(1, 4, 3, 6\) do not cover "
+                                         r"the mask's 1 rows × 5 positions"):
         KeyValueCache.prefilled(torch.ones(1, 5, dtype=torch.long),
                                 {alpha_er.layers[0].self_attn: (torch.ones(1, 4, 3, 6), torch.ones(1, 4, 3, 6))})
 
