@@ -1,6 +1,5 @@
 """hooked_models.patching against transformer_lens.patching and against one forward per patch."""
 
-
 import pytest
 import torch
 import transformer_lens.patching as tl_patching
