@@ -27,21 +27,29 @@ from hooked_models.devices import resolve_device
 from hooked_models.dtypes import is_dtype_name, resolve_dtype
 from hooked_models.generation import GenerationMixin
 from hooked_models.hooks import HookedModule, UnknownHookError, ValueHook, check_hook_write
+from hooked_models.saes import SAEMixin
 from hooked_models.transformer_lens_compat import TransformerLensModel
 from hooked_models.vocabulary import SYNONYMS, Support, SupportRow, Value, tl_module_path
 
 
+# Position axis marker for a spliced SAE's HookPoints: the axis after the batch, whatever their rank.
+_SECOND_AXIS = "second"
+
+
 class _AliasHook:
     """A user's hook added under a TransformerLens name: it sees that name and that layout,
-    and what it returns is mapped back to the standard layout."""
+    and what it returns is mapped back to the standard layout. (A HookPoint that carries no value,
+    a spliced SAE's, has one layout: the hook only sees the name.)"""
 
-    def __init__(self, fn: Callable, alias: str, value: Value):
+    def __init__(self, fn: Callable, alias: str, value: Value | None):
         self.fn, self.alias, self.value = fn, alias, value
 
     def __repr__(self) -> str:
         return repr(self.fn)
 
     def __call__(self, tensor: Tensor, *, hook: HookPoint):
+        if self.value is None:
+            return self.fn(tensor, hook=_AliasedHookPoint(self.alias, hook))
         given = self.value.to_tl(tensor)
         out = self.fn(given, hook=_AliasedHookPoint(self.alias, hook))
         if out is None:
@@ -51,9 +59,10 @@ class _AliasHook:
         return self.value.from_tl(out)
 
 
-class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
+class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
     """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py,
-    TransformerLens's model surface from hooked_models/transformer_lens_compat.py.
+    TransformerLens's model surface from hooked_models/transformer_lens_compat.py, SAE splicing
+    (`add_sae`, `run_with_saes`, ...) from hooked_models/saes.py.
 
     A family builds its modules (`embed_tokens`, `layers`, `norm`, `lm_head`) and the root
     ValueHooks, calls `setup()`, and defines the two steps of the forward in which families differ:
@@ -94,6 +103,13 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             if tl_host is not None:
                 self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
         self._tl_fallback_aliases()
+        # HookPoints under a value (a spliced SAE's) answer under each of its names too.
+        for name in self.standard_hook_dict:
+            parent, _, leaf = name.rpartition(".")
+            if not isinstance(self.standard_hook_dict.get(parent), ValueHook):
+                continue
+            for alias in [a for a, c in self.aliases.items() if c == parent]:
+                self.aliases[f"{alias}.{leaf}"] = name
         self._alias_names: dict[str, list[str]] = {}
         for alias, canonical in self.aliases.items():
             self._alias_names.setdefault(canonical, []).append(alias)
@@ -106,8 +122,8 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             return name, None
         if name in self.aliases:
             canonical = self.aliases[name]
-            value = self.standard_hook_dict[canonical].value
-            return canonical, value if value.tl_layout else None
+            value = getattr(self.standard_hook_dict[canonical], "value", None)
+            return canonical, value if value is not None and value.tl_layout else None
         raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
 
     def _name_hint(self, name: str) -> str:
@@ -190,7 +206,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     def _wrap_for_alias(self, hook: Callable, canonical: str, alias: str | None) -> Callable:
         if alias is None:
             return hook
-        return _AliasHook(hook, alias, self.standard_hook_dict[canonical].value)
+        return _AliasHook(hook, alias, getattr(self.standard_hook_dict[canonical], "value", None))
 
     # ----------------------------------------------------------------------------------- hooks
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:
@@ -230,8 +246,10 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             raise ValueError(f"names_filter must be a name, a list of names or a function, not {names_filter!r}")
         self.is_caching = True
 
-        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | None):
+        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | str | None):
             stored = tensor.detach()
+            if seq_axis == _SECOND_AXIS:  # a spliced SAE's [batch pos ...]
+                seq_axis = 1 - stored.ndim
             if device is not None:
                 stored = stored.to(device)
             if remove_batch_dim and stored.ndim > 0 and stored.shape[0] == 1:
@@ -244,7 +262,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         for name, point in self.standard_hook_dict.items():
             if not selected(name):
                 continue
-            seq_axis = point.value.seq_axis if isinstance(point, ValueHook) else None
+            if isinstance(point, ValueHook):
+                seq_axis = point.value.seq_axis
+            else:
+                parent = self.standard_hook_dict.get(name.rpartition(".")[0])
+                seq_axis = _SECOND_AXIS if isinstance(parent, ValueHook) else None
             fwd.append((name, partial(save, name=name, seq_axis=seq_axis)))
             if incl_bwd:
                 bwd.append((name, partial(save, name=name + "_grad", seq_axis=seq_axis)))
@@ -501,8 +523,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         tokenized with `prepend_bos` (default True) and padded on `padding_side` (default "right").
         `past` positions precede the tokens in a key/value cache: the length checked is the sum."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
-            tokens, mask = self.to_tokens(input, prepend_bos=True if prepend_bos is None else prepend_bos,
-                                          padding_side=padding_side or "right", return_mask=True)
+            tokens, mask = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side, return_mask=True)
             attention_mask = mask if attention_mask is None else attention_mask
             input = tokens
         if not isinstance(input, Tensor):
@@ -565,10 +586,15 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             )
         return self.tokenizer
 
-    def to_tokens(self, input, prepend_bos: bool = True, padding_side: str = "right",
+    def to_tokens(self, input, prepend_bos: bool | None = True, padding_side: str | None = "right",
                   return_mask: bool = False, move_to_device: bool = True, truncate: bool = True):
-        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`."""
+        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`.
+        None means the default for either (as TransformerLens, whose callers pass None through)."""
         tokenizer = self._require_tokenizer()
+        prepend_bos = True if prepend_bos is None else prepend_bos
+        padding_side = padding_side or "right"
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
         texts = [input] if isinstance(input, str) else list(input)
         encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         bos = getattr(tokenizer, "bos_token_id", None)

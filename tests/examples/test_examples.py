@@ -162,3 +162,24 @@ def test_an_example_runs_in_a_named_dtype(tmp_path, run_in_process):
     stdout = run_in_process("head_patching.py", "--dtype", "bf16", "--prompts", "4", "--out", str(tmp_path / "h.png"))
     assert "2 key/value heads" in stdout
     assert_png(tmp_path / "h.png")
+
+
+def test_train_sae_trains_evaluates_and_reads_features(tmp_path, run_in_process):
+    """SAELens's runner trains on the embedded model, its evals and the spliced SAE report sensible figures."""
+    pytest.importorskip("sae_lens", reason="train_sae.py needs SAELens (pip install -e '.[sae]')")
+    import re
+
+    from sae_lens import StandardSAE
+
+    stdout = run_in_process("train_sae.py", "--tokens", "16384", "--d-sae", "128", "--features", "3",
+                            "--save", str(tmp_path / "sae"), "--out", str(tmp_path / "sae.png"))
+    numbers = {k: float(v) for k, v in re.findall(r"([a-z][a-z ]+?) (-?\d+\.\d+)", stdout)}
+    assert numbers["explained variance"] > 0.9, stdout
+    ce = re.search(r"next-token loss: ([\d.]+) without the SAE, ([\d.]+) with it, ([\d.]+) with the value zeroed",
+                   stdout)
+    without, with_sae, zeroed = map(float, ce.groups())
+    assert without < with_sae < zeroed and (zeroed - with_sae) > 0.8 * (zeroed - without), stdout
+    assert len(re.findall(r"^  feature \d+ +fires on", stdout, flags=re.M)) == 3
+    sae = StandardSAE.load_from_disk(str(tmp_path / "sae"))
+    assert sae.cfg.d_sae == 128 and sae.cfg.metadata.hook_name == "blocks.1.hook_resid_pre"
+    assert_png(tmp_path / "sae.png")

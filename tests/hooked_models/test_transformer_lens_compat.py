@@ -4,7 +4,8 @@ against the model's own forward on random non-trivial weights (norm weights far 
 
 import pytest
 import torch
-from transformer_lens.model_protocol import TransformerLensModelWithWeights
+
+from hooked_models.transformer_lens_compat import TRANSFORMER_LENS_4
 
 close = dict(rtol=1e-5, atol=1e-5)
 
@@ -21,7 +22,10 @@ def run(tl_model):
     return tl_model, tokens, logits, cache
 
 
+@pytest.mark.skipif(not TRANSFORMER_LENS_4, reason="transformer_lens.model_protocol is new in TransformerLens 4.x")
 def test_satisfies_transformer_lens_protocol(tl_model):
+    from transformer_lens.model_protocol import TransformerLensModelWithWeights
+
     assert isinstance(tl_model, TransformerLensModelWithWeights)
     assert not tl_model.training
 
