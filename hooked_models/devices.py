@@ -3,7 +3,8 @@
 
 `resolve_device` turns "cuda", "cuda:1", "mps" or a torch.device into a torch.device that exists here, or
 raises a ValueError naming it and the devices there are (torch's own errors for a missing backend are an
-AssertionError with no device list, or a failure deep inside the first copy).
+AssertionError with no device list, or a failure deep inside the first copy). `free_memory` says how many
+bytes a device has free (activation patching's default memory budget).
 
 Layers go in contiguous groups: layer i of L on device i·n // L (TransformerLens's
 `utilities.multi_gpu.get_device_for_block_index`), the embeddings with the first layer, the final
@@ -13,6 +14,7 @@ dispatch does), so the families' forwards need no device logic and a single-devi
 """
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -158,3 +160,22 @@ def to_device(value, device: torch.device):
         moved = {k: v for k, v in changes.items() if v is not getattr(value, k)}
         return dataclasses.replace(value, **moved) if moved else value
     return value
+
+
+def free_memory(device: Device) -> int:
+    """Bytes free on `device` now: CUDA's `mem_get_info`; on the CPU, MemAvailable from /proc/meminfo
+    (Linux), else the available physical pages (`os.sysconf`), else 4 GiB."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 4 * 2**30

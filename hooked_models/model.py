@@ -381,28 +381,29 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
         logits bit for bit.
 
         `past_kv_cache` (families with `supports_kv_cache`) holds the earlier positions: `tokens` and
-        `attention_mask` are then the new positions only, and the cache grows by them. `logits_to_keep`
+        `attention_mask` are then the new positions only, and the cache grows by them; positions,
+        rotary, mask (and alpha-er's expert routing) continue after the cached ones. With
+        `start_at_layer` the input is the new positions' residual stream: a window of another run
+        whose keys and values `KeyValueCache.prefilled` holds (activation patching's partial runs). `logits_to_keep`
         > 0 (same families) computes the logits of the last that many positions only, as generation
         needs: `lm_head_output`, `logits` and `next_token_probs` then cover those positions.
         """
         start, stop = self._layer_range(start_at_layer, stop_at_layer)
+        if past_kv_cache is not None and not self.supports_kv_cache:
+            raise ValueError(f"{type(self).__name__} does not support a key/value cache")
+        past = 0 if past_kv_cache is None else past_kv_cache.length
         if start_at_layer is None:
             if tokens is not None:
                 raise ValueError("tokens= goes with start_at_layer (the input is then the residual stream); "
                                  "pass the tokens as the input")
-            tokens, attention_mask = self._prepare_inputs(input, attention_mask, prepend_bos, padding_side)
+            tokens, attention_mask = self._prepare_inputs(input, attention_mask, prepend_bos, padding_side, past)
             residual, (batch, seq) = None, tokens.shape
         else:
-            residual, tokens, attention_mask = self._prepare_residual(input, tokens, attention_mask, start_at_layer)
+            residual, tokens, attention_mask = self._prepare_residual(input, tokens, attention_mask, start_at_layer,
+                                                                      past)
             batch, seq = residual.shape[:2]
         if return_type in ("loss", "both") and tokens is None and stop is None:
             raise ValueError(f"return_type={return_type!r} needs the tokens: pass tokens= with start_at_layer")
-        if past_kv_cache is not None:
-            if not self.supports_kv_cache:
-                raise ValueError(f"{type(self).__name__} does not support a key/value cache")
-            if past_kv_cache.length + seq > self.max_positions:
-                raise ValueError(f"{past_kv_cache.length} cached + {seq} new positions exceed "
-                                 f"the model's {self.max_positions} positions")
         if logits_to_keep:
             if not self.supports_kv_cache:
                 raise ValueError(f"{type(self).__name__} does not support logits_to_keep")
@@ -422,7 +423,6 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
                 self._check_mask_values(attention_mask, "a hook on attention_mask wrote a mask that")
         if self.input_size.has_hooks():
             self.input_size(torch.tensor((batch, seq)))
-        past = 0 if past_kv_cache is None else past_kv_cache.length
         x = self._embed(tokens, past) if residual is None else residual
         inputs = self._attention_inputs(batch, seq, attention_mask, x.device, x.dtype, past_kv_cache)
         for layer in self.layers[start:stop]:
@@ -469,8 +469,9 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
             raise ValueError(f"stop_at_layer={stop_at_layer} comes before start_at_layer={start_at_layer}")
         return start, stop
 
-    def _prepare_residual(self, input, tokens, attention_mask, start_at_layer):
-        """(residual, tokens or None, mask) for a run that starts at a layer, checked."""
+    def _prepare_residual(self, input, tokens, attention_mask, start_at_layer, past: int = 0):
+        """(residual, tokens or None, mask) for a run that starts at a layer, checked (`past`
+        positions precede them in a key/value cache)."""
         if not isinstance(input, Tensor) or input.ndim != 3 or not input.is_floating_point():
             got = f"shape {tuple(input.shape)} {input.dtype}" if isinstance(input, Tensor) else type(input).__name__
             raise ValueError(f"with start_at_layer={start_at_layer} the input is the residual stream "
@@ -479,13 +480,13 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
             raise ValueError(f"the residual stream has width {input.shape[-1]}, but the model's hidden_size is "
                              f"{self.cfg.hidden_size}")
         if tokens is not None:
-            tokens, attention_mask = self._prepare_inputs(tokens, attention_mask)
+            tokens, attention_mask = self._prepare_inputs(tokens, attention_mask, past=past)
             if tuple(tokens.shape) != tuple(input.shape[:2]):
                 raise ValueError(f"tokens have shape {tuple(tokens.shape)}, but the residual stream is "
                                  f"{tuple(input.shape[:2])} positions")
         else:
-            self._check_sequence(input.shape[1], attention_mask)
-            attention_mask = self._checked_mask(attention_mask, tuple(input.shape[:2]), input.device)
+            self._check_sequence(input.shape[1], attention_mask, past)
+            attention_mask = self._checked_mask(attention_mask, tuple(input.shape[:2]), input.device, past)
         return input, tokens, attention_mask
 
     @staticmethod
@@ -517,9 +518,10 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
         return self.cfg.n_ctx
 
     def _prepare_inputs(self, input, attention_mask, prepend_bos: bool | None = None,
-                        padding_side: str | None = None):
+                        padding_side: str | None = None, past: int = 0):
         """Tokens and mask, checked: a clear ValueError for anything the model cannot run. Text is
-        tokenized with `prepend_bos` (default True) and padded on `padding_side` (default "right")."""
+        tokenized with `prepend_bos` (default True) and padded on `padding_side` (default "right").
+        `past` positions precede the tokens in a key/value cache: the length checked is the sum."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
             tokens, mask = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side, return_mask=True)
             attention_mask = mask if attention_mask is None else attention_mask
@@ -534,24 +536,28 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
         if tokens.numel() == 0:
             raise ValueError(f"tokens are empty (shape {tuple(tokens.shape)}); give at least one token")
         self._check_token_ids(tokens, "token id")
-        attention_mask = self._checked_mask(attention_mask, tuple(tokens.shape), tokens.device)
-        self._check_sequence(tokens.shape[1], attention_mask)
+        attention_mask = self._checked_mask(attention_mask, tuple(tokens.shape), tokens.device, past)
+        self._check_sequence(tokens.shape[1], attention_mask, past)
         return tokens.long(), attention_mask  # uint8 and int16 ids too: the forward's annotations say signed
 
-    def _check_sequence(self, seq: int, attention_mask: Tensor | None) -> None:
-        """A ValueError unless the model computes at this length with this padding (families add rules)."""
+    def _check_sequence(self, seq: int, attention_mask: Tensor | None, past: int = 0) -> None:
+        """A ValueError unless the model computes `seq` positions after `past` cached ones with this
+        padding (families add rules)."""
+        if past and past + seq > self.max_positions:
+            raise ValueError(f"{past} cached + {seq} new positions exceed the model's {self.max_positions} positions")
         if seq > self.max_positions:
             raise ValueError(f"sequence length {seq} exceeds the model's {self.max_positions} positions")
 
-    def _checked_mask(self, attention_mask, shape: tuple[int, ...], device) -> Tensor | None:
-        """The mask as long ids of 0 and 1, of the inputs' [batch seq] shape, with a real token per row."""
+    def _checked_mask(self, attention_mask, shape: tuple[int, ...], device, past: int = 0) -> Tensor | None:
+        """The mask as long ids of 0 and 1, of the inputs' [batch seq] shape, with a real token per row
+        (unless `past` cached positions precede them: the real tokens may all be there)."""
         if attention_mask is None:
             return None
         if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
             raise ValueError(f"attention_mask has shape {got}, but the tokens are {shape}")
         self._check_mask_values(attention_mask, "attention_mask")
-        if bool((attention_mask.sum(-1) == 0).any()):
+        if not past and bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("attention_mask has a row with no real token (all zeros)")
         return attention_mask.to(device=device, dtype=torch.long)  # bool and float masks too
 

@@ -12,30 +12,37 @@ that carries it, indexed along the dimensions its layout names (`seq`, `num_head
 aliases). Nothing here knows a family: the sites, dimensions and sizes come from the vocabulary.
 
 Denoising runs the corrupted input and writes in the clean run's activations; noising runs the clean
-input and writes in the corrupted run's. Many patches share one forward: the input is repeated once
-per patch along the batch and each copy gets its own patch (a `torch.where` against a per-copy mask),
-in chunks sized to a memory budget. A patch that writes what is already there is not run (its metric is
-the unpatched one), and the layers below a chunk's earliest patch are replayed from the unpatched run
-instead of recomputed: both exact, since a patch cannot reach back. Attribution patching (Nanda 2023,
+input and writes in the corrupted run's. A patch cannot reach back: a patch at layer l that first
+writes something new at position p leaves every layer below l and every position before p as in the
+run it is written into. So a patched run computes only layers l ... and positions p ...: it starts
+at layer l (`start_at_layer`) from the unpatched run's residual stream there, its attention reading
+the earlier positions' keys and values from a key/value cache filled from the unpatched run, and the
+metric gets the unpatched run's logits before p. A patch that writes nothing new is not run at all
+(its metric is the unpatched one). Many patches share a forward: each is a copy of the prompts along
+the batch with its own patch (a `torch.where` against a per-copy mask), copies join the batch at
+their own layer, and the forwards are sized to a memory budget. Attribution patching (Nanda 2023,
 "Attribution Patching") estimates every patch at once from one forward and one backward:
 effect ≈ Σ grad · (source − base).
 """
 
-import math
 import os
 import re
 import sys
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import product
+from functools import partial
+from itertools import groupby, product
 
+import numpy as np
 import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
+from hooked_models.components.kv_cache import KeyValueCache
+from hooked_models.devices import free_memory
 from hooked_models.hooks import ValueHook
 from hooked_models.vocabulary import POSITION_DIMS, Value
 
@@ -268,19 +275,20 @@ def _labels(axis: str, indices: list[int], position_labels: Sequence[str] | None
     return [f"{_LABEL_PREFIX.get(axis, '')}{i}" for i in indices]
 
 
-def _mask(patches: list[Patch], site: str, shape: tuple[int, ...], device) -> Tensor:
-    """[patches 1 *dims]: True where the copy for patch n is overwritten at `site`.
+def _mask(indices: list[tuple | None], shape: tuple[int, ...], device) -> Tensor:
+    """[copies 1 *dims]: True where copy n is overwritten, by the patch index `indices[n]` (None: not at all).
 
     Dimensions no patch indexes stay of size 1 (broadcast), so the mask is small.
     """
-    used = [any(p.site == site and p.index[d] is not None for p in patches) for d in range(len(shape))]
+    given = [index for index in indices if index is not None]
+    used = [any(index[d] is not None for index in given) for d in range(len(shape))]
     mask_shape = tuple(s if u else 1 for s, u in zip(shape, used))
-    mask = torch.zeros((len(patches), 1, *mask_shape), dtype=torch.bool)
-    for n, patch in enumerate(patches):
-        if patch.site != site:
+    mask = torch.zeros((len(indices), 1, *mask_shape), dtype=torch.bool)
+    for n, index in enumerate(indices):
+        if index is None:
             continue
         row = torch.ones(mask_shape, dtype=torch.bool)
-        for d, selector in enumerate(patch.index):
+        for d, selector in enumerate(index):
             if selector is None:
                 continue
             keep = torch.zeros(mask_shape[d], dtype=torch.bool)
@@ -436,15 +444,38 @@ def _runs(model, clean, corrupted, direction: str):
     return (corrupted, clean) if direction == "denoising" else (clean, corrupted)
 
 
-def row_bytes(model, tokens: Tensor) -> int:
-    """A rough upper bound on the memory one patched copy of the input needs during a forward:
-    the logits kept for the metric plus the widest activations alive at once."""
+def row_bytes(model, tokens: Tensor, start: int = 0) -> int:
+    """A rough upper bound on the memory one patched copy of `tokens` needs in a forward that runs
+    positions `start` ... (the earlier ones read from a key/value cache): per position the widest
+    activations alive at once in a layer, the explicit attention's scores and pattern over every
+    key, and the logits; and the cached keys and values of every layer."""
     cfg = model.cfg
-    get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), 0)  # noqa: E731
     batch, seq = tokens.shape
-    itemsize = torch.finfo(next(model.parameters()).dtype).bits // 8
-    width = 8 * get("d_model", "hidden_size") + 2 * get("d_mlp", "intermediate_size") + 3 * get("n_heads") * seq
-    return batch * seq * (itemsize * width + 4 * get("d_vocab", "vocab_size"))
+    itemsize = next(model.parameters()).element_size()
+    per_position = itemsize * (8 * cfg.hidden_size + 2 * cfg.intermediate_size + 3 * cfg.num_heads * seq
+                               + cfg.vocab_size)
+    cached = itemsize * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq if start else 0
+    return batch * ((seq - start) * per_position + cached)
+
+
+# A rough model of a device, for the choice of which patches share a forward (never for a result):
+# FLOP/s (per thread on a CPU), bytes/s read from memory, and seconds a layer call costs in Python.
+# The CPU's are one thread of the 2-core EPYC the benchmarks ran on (benchmarks/README.md).
+_DEVICE_SPEED = {"cpu": (5e10, 5e9, 3e-4), "cuda": (1e14, 2e12, 3e-4)}
+
+
+def layer_call_rows(model) -> float:
+    """What running a layer once costs beyond the rows it runs, counted in rows (a row is one
+    position of one copy through one layer): reading the layer's weights and the call's own overhead,
+    on a roofline of the device (`_DEVICE_SPEED`). Large for a small model (the overhead dominates),
+    about 20 for an 8-layer, 1024-wide float32 model on one CPU thread."""
+    weight = next(model.parameters())
+    flops, bandwidth, overhead = _DEVICE_SPEED["cuda" if weight.is_cuda else "cpu"]
+    if not weight.is_cuda:
+        flops *= torch.get_num_threads()
+    params = sum(p.numel() for p in model.layers[0].parameters())
+    row_seconds = 2 * params / flops
+    return (overhead + params * weight.element_size() / bandwidth) / row_seconds
 
 
 def activation_patch(
@@ -458,9 +489,10 @@ def activation_patch(
     direction: str = "denoising",
     select: dict[str, Sequence[int]] | None = None,
     batch_size: int | None = None,
-    memory_budget: int = 2**30,
+    memory_budget: int | None = None,
     progress: bool | None = None,
     position_labels: Sequence[str] | None = None,
+    attention_mask: Int[Tensor, "batch seq"] | None = None,
 ) -> PatchingResult:
     """Patch `value` at every location of the sweep and return the metric after each patch.
 
@@ -470,47 +502,69 @@ def activation_patch(
       attention values, neurons for MLP values); the layer axis always comes first.
     select: restrict axes to some indices, e.g. {"layer": [3, 4], "seq": [9]}.
     batch_size: patched copies per forward (default: as many as `memory_budget` bytes allow).
+    memory_budget: bytes the patched forwards may take, by `row_bytes`'s estimate of a copy (default:
+      half the device's free memory, `hooked_models.devices.free_memory`).
     progress: a tqdm bar (default: when stderr is a terminal and the sweep takes several forwards).
+    attention_mask: 1 for real tokens, 0 for padding [batch seq], shared by clean and corrupted.
+
+    Each patched run computes only what the patch can change: the layers from the patch's on, the
+    positions from the first one it writes something new at on, reading the earlier positions'
+    keys and values and the metric's logits there from the unpatched run. The metric still gets
+    logits for every position. The result equals one full forward per patch to float32 rounding.
     """
     base, source = _runs(model, clean, corrupted, direction)
+    attention_mask = _checked_attention_mask(attention_mask, base)
+    for name, number in (("batch_size", batch_size), ("memory_budget", memory_budget)):
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 1):
+            raise ValueError(f"{name}={number!r} must be a positive integer")
     sites = find_sites(model, value)
     names = [s.name for s in sites]
-    layer_outputs = [n for n in model.standard_hook_dict if _LAYER_OUTPUT.fullmatch(n)]
+    streams = _streams(model)
+    keys_values = _keys_values(model)
     fired: list[str] = []
     with torch.no_grad():
-        source_logits, cache = model.run_with_cache(source, names_filter=names)
-        # The unpatched run, its values at the sites, each layer's output, and the order they come in.
-        marks = [(n, lambda a, hook: fired.append(hook.name)) for n in dict.fromkeys(names + layer_outputs)]
+        source_logits, cache = model.run_with_cache(source, names_filter=names, attention_mask=attention_mask)
+        # The unpatched run: its values at the sites, the residual stream entering each layer and the
+        # final norm, each layer's keys and values, and the order the sites come in among the layers.
+        marks = [(n, lambda a, hook: fired.append(hook.name)) for n in dict.fromkeys(names + streams[:-1])]
+        read = names + streams + [n for _, keys, values in keys_values for n in (keys, values)]
         with model.hooks(fwd_hooks=marks):
-            base_logits, base_cache = model.run_with_cache(base, names_filter=names + layer_outputs)
+            base_logits, base_cache = model.run_with_cache(base, names_filter=read, attention_mask=attention_mask)
     grid, patches = _plan_from_cache(model, sites, cache, over, select, position_labels)
     base_metric = _scalar(metric(base_logits))
     # A patch that writes what is already there changes nothing (positions before the prompts' first
     # difference, say): its metric is the unpatched one, and it needs no forward.
-    todo = [i for i, p in enumerate(patches) if _changes(cache[p.site], base_cache[p.site], p.index)]
-    first_layer = _first_layers(sites, fired, layer_outputs)
-    per_forward = batch_size or max(1, memory_budget // row_bytes(model, base))
-    chunks = math.ceil(len(todo) / per_forward)
-    show = sys.stderr.isatty() and chunks > 1 if progress is None else progress
+    jobs = _jobs(patches, sites, cache, base_cache, _stages(sites, fired, streams))
+    budget = memory_budget or free_memory(base.device) // 2
+    capacity = (lambda start: batch_size) if batch_size else (
+        lambda start: max(1, budget // row_bytes(model, base, start)))
+    chunks = _chunks(jobs, *base.shape, len(streams) - 1, capacity, layer_call_rows(model))
+    show = sys.stderr.isatty() and len(chunks) > 1 if progress is None else progress
     results = base_metric.repeat(len(patches))
+    base_run = _BaseRun(base, attention_mask, base_cache, streams, keys_values)
+    values = {s.name: s.value for s in sites}
     with torch.no_grad(), tqdm(total=len(patches), disable=not show, desc=f"patching {value}",
                                unit="patch") as bar:
-        bar.update(len(patches) - len(todo))
-        for start in range(0, len(todo), per_forward):
-            rows = todo[start:start + per_forward]
-            chunk = [patches[i] for i in rows]
-            hooks = []
-            for site in dict.fromkeys(p.site for p in chunk):
-                source_value = cache[site]
-                mask = _mask(chunk, site, tuple(source_value.shape[1:]), source_value.device)
-                hooks.append((site, lambda a, hook, m=mask, s=source_value: _write_patches(a, hook, m, s)))
-            first = min(first_layer[p.site] for p in chunk)
-            with model.hooks(fwd_hooks=hooks), _replaying_layers(model, first, base_cache, len(chunk)):
-                logits = model(base.repeat(len(chunk), 1))
-            for row, copy in zip(rows, logits.unflatten(0, (len(chunk), -1))):
-                results[row] = _scalar(metric(copy))
+        bar.update(len(patches) - len(jobs))
+        for chunk in chunks:
+            chunk = sorted(chunk, key=lambda job: job.stage)
+            start = min(job.start for job in chunk)
+            logits = _run_chunk(model, chunk, start, base_run, cache, values)
+            for job, copy in zip(chunk, logits.unflatten(0, (len(chunk), -1))):
+                if start:  # positions before the window: the unpatched run's logits (a patch cannot reach back)
+                    copy = torch.cat([base_logits[:, :start].to(copy.device), copy], 1)
+                results[job.row] = _scalar(metric(copy))
             bar.update(len(chunk))
     return _result(results, grid, value, direction, float(base_metric), float(_scalar(metric(source_logits))))
+
+
+def _checked_attention_mask(attention_mask: Tensor | None, tokens: Tensor) -> Tensor | None:
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(tokens.shape):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask has shape {got}, but the prompts are {tuple(tokens.shape)}")
+    return attention_mask.to(device=tokens.device, dtype=torch.long)
 
 
 def _plan_from_cache(model, sites: list[Site], cache, over, select, position_labels):
@@ -530,65 +584,209 @@ def _result(values: Tensor, grid, value: str, direction: str, base_metric: float
                           corrupted_metric=corrupted_metric, **fields)
 
 
-_LAYER_OUTPUT = re.compile(r"layers\.(\d+)\.layer_output")
+# ------------------------------------------------------------------------- running what a patch changes
+# A patched run has stages: -1, the embedding (from the tokens); k, layer k; L, the final norm and head.
+# A patch enters at the stage of its site and changes nothing before it, nor any position before
+# the first one it writes something new at.
 
 
-def _changes(source: Tensor, base: Tensor, index: tuple) -> bool:
-    """Whether a patch writes anything that differs from what the unpatched run has there."""
-    where = (slice(None), *(list(s) if isinstance(s, tuple) else slice(None) if s is None else s for s in index))
-    return not torch.equal(source[where], base[where])
+@dataclass(frozen=True)
+class _Job:
+    """A patch to run: its row in the result, the stage it enters at, the first position it changes."""
+
+    row: int
+    patch: Patch
+    stage: int
+    start: int
 
 
-def _first_layers(sites: list[Site], fired: list[str], layer_outputs: list[str]) -> dict[str, int]:
-    """Per site, how many layers run before it, unchanged by a patch there: a layer's own sites come
-    after the layers below it; a model-level site after the layers whose outputs fired before it."""
-    first = {}
+@dataclass(frozen=True)
+class _BaseRun:
+    """What the patched runs read from the unpatched one: its tokens and mask, and its cache holding
+    the residual stream entering each stage (`streams`) and each layer's keys and values."""
+
+    tokens: Tensor
+    attention_mask: Tensor | None
+    cache: object
+    streams: list[str]
+    keys_values: list[tuple[nn.Module, str, str]]
+
+
+def _streams(model) -> list[str]:
+    """The residual stream entering each layer, then the final norm: L + 1 hook names."""
+    inputs = sorted(find_sites(model, "layer_input"), key=lambda s: s.layer)
+    last = max(find_sites(model, "layer_output"), key=lambda s: s.layer)
+    return [s.name for s in inputs] + [last.name]
+
+
+def _keys_values(model) -> list[tuple[nn.Module, str, str]]:
+    """Per layer, (its attention module, the hook names of its keys and its values)."""
+    keys = sorted(find_sites(model, "attention_keys"), key=lambda s: s.layer)
+    values = sorted(find_sites(model, "attention_values"), key=lambda s: s.layer)
+    return [(model.get_submodule(k.name.rpartition(".")[0]), k.name, v.name) for k, v in zip(keys, values)]
+
+
+def _stages(sites: list[Site], fired: list[str], streams: list[str]) -> dict[str, int]:
+    """Per site, the stage its patches enter at: a layer's own sites, that layer; a model-level site,
+    before the layers (-1) or after them (L), by where it fired among the layers' inputs."""
+    num_layers = len(streams) - 1
+    stages = {}
     for site in sites:
         if site.layer is not None:
-            first[site.name] = site.layer
-        elif site.name in fired:
-            first[site.name] = sum(1 for name in fired[:fired.index(site.name)] if name in layer_outputs)
-        else:
-            first[site.name] = 0
-    return first
+            stages[site.name] = site.layer
+            continue
+        before = sum(1 for name in fired[:fired.index(site.name)] if name in streams) if site.name in fired else 0
+        if before not in (0, num_layers):
+            raise ValueError(f"{site.name} is computed between layers {before - 1} and {before}, where no "
+                             "partial run can start")
+        stages[site.name] = -1 if before == 0 else num_layers
+    return stages
 
 
-class _Passthrough(nn.Module):
-    """Stands in for a layer below the patches whose output is never read: returns its input."""
-
-    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        return x
-
-
-class _Replay(nn.Module):
-    """Stands in for the last layer below the patches: the unpatched run's output, once per copy."""
-
-    def __init__(self, output: Tensor, copies: int):
-        super().__init__()
-        self.output, self.copies = output, copies
-
-    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        return self.output.repeat(self.copies, *[1] * (self.output.ndim - 1))
+def _jobs(patches: list[Patch], sites: list[Site], cache, base_cache, stages: dict[str, int]) -> list[_Job]:
+    """The patches that change something, with where they start, sorted by (start, stage)."""
+    rows: dict[str, list[int]] = {}
+    for row, patch in enumerate(patches):
+        rows.setdefault(patch.site, []).append(row)
+    values = {s.name: s.value for s in sites}
+    jobs = []
+    for site, site_rows in rows.items():
+        starts = _first_changes(cache[site], base_cache[site], values[site], [patches[r].index for r in site_rows])
+        jobs += [_Job(r, patches[r], stages[site], s) for r, s in zip(site_rows, starts) if s is not None]
+    return sorted(jobs, key=lambda job: (job.start, job.stage, job.row))
 
 
-@contextmanager
-def _replaying_layers(model, first: int, base_cache, copies: int):
-    """While patches start at layer `first`, layers below it are not recomputed: every copy's input
-    to layer `first` is the unpatched run's (a patch cannot reach back), so it is replayed."""
-    layers = getattr(model, "layers", None)
-    last = f"layers.{first - 1}.layer_output"
-    if first == 0 or not isinstance(layers, nn.ModuleList) or last not in base_cache.cache_dict:
-        yield
-        return
-    originals = [layers[i] for i in range(first)]
-    try:
-        for i in range(first - 1):
-            layers[i] = _Passthrough()
-        layers[first - 1] = _Replay(base_cache.cache_dict[last], copies)
-        yield
-    finally:
-        for i, layer in enumerate(originals):
-            layers[i] = layer
+def _first_changes(source: Tensor, base: Tensor, value: Value, indices: list[tuple]) -> list[int | None]:
+    """Per patch (its index into `value`'s dimensions), the first position at which it writes
+    something the unpatched run does not have there (0 for a value without positions), or None where
+    it writes nothing new."""
+    dims = value.dims[1:]
+    position = None if value.seq_axis is None else len(dims) + value.seq_axis
+    indexed = {d for index in indices for d, selector in enumerate(index) if selector is not None}
+    keep = sorted(indexed | ({position} if position is not None else set()))
+    # Where the two runs differ in any prompt, reduced over the dimensions no patch indexes.
+    differs = (source != base).any(0)
+    dropped = tuple(d for d in range(len(dims)) if d not in keep)
+    if dropped:
+        differs = differs.any(dim=dropped)
+    table = differs.cpu().numpy()
+    axis = keep.index(position) if position is not None else None
+    starts = []
+    for index in indices:
+        picks = [np.arange(table.shape[k]) if index[d] is None else np.atleast_1d(np.asarray(index[d]))
+                 for k, d in enumerate(keep)]
+        region = table[np.ix_(*picks)] if picks else table
+        if axis is None:
+            starts.append(0 if region.any() else None)
+            continue
+        changed = region.any(axis=tuple(a for a in range(region.ndim) if a != axis))
+        starts.append(int(picks[axis][changed].min()) if changed.any() else None)
+    return starts
+
+
+def _chunks(jobs: list[_Job], batch: int, seq: int, num_layers: int, capacity: Callable[[int], int],
+            call_rows: float) -> list[list[_Job]]:
+    """The forwards: groups of jobs (sorted by start) run together from their earliest start.
+
+    Jobs of one start share a forward at no extra cost, each joining the batch at its own stage, up
+    to `capacity(start)` copies. Adding the next start's jobs to a forward makes them run the
+    positions between the two starts for nothing; it is done when that costs less than a forward of
+    their own, counted in rows through a layer, `call_rows` for each layer a forward runs.
+    """
+    def cost(chunk: list[_Job]) -> float | int:
+        window = seq - min(job.start for job in chunk)
+        joined = sorted(job.stage for job in chunk)
+        return sum(call_rows + batch * window * bisect_right(joined, stage)
+                   for stage in range(joined[0], num_layers + 1))
+
+    chunks, current = [], []
+    for _, group in groupby(jobs, key=lambda job: job.start):
+        group = list(group)
+        if current:
+            merged = current + group
+            if len(merged) <= capacity(current[0].start) and cost(merged) <= cost(current) + cost(group):
+                current = merged
+                continue
+            chunks.append(current)
+        size = capacity(group[0].start)
+        pieces = [group[i:i + size] for i in range(0, len(group), size)]
+        chunks += pieces[:-1]
+        current = pieces[-1]
+    return chunks + [current] if current else chunks
+
+
+def _run_chunk(model, jobs: list[_Job], start: int, base: _BaseRun, source_cache, values: dict[str, Value]) -> Tensor:
+    """Logits [copies·batch seq-start vocab_size] of the patched copies, `jobs` sorted by stage.
+
+    The batch grows as it goes: the copies patched at a stage join it there, their input the
+    unpatched run's residual stream entering that stage; layers between two such stages run in one
+    forward. Positions before `start` are read from a key/value cache of the unpatched run's.
+    """
+    tokens, mask = base.tokens, base.attention_mask
+    batch, seq = tokens.shape
+    num_layers = len(base.streams) - 1
+    joins = sorted({job.stage for job in jobs})
+    x, count = None, 0
+    for i, stage in enumerate(joins):
+        stop = joins[i + 1] if i + 1 < len(joins) else None
+        joiners = [job for job in jobs if job.stage == stage]
+        count += len(joiners)
+        window_mask = None if mask is None else mask[:, start:].repeat(count, 1)
+        cache = None
+        if start:
+            prefix = mask[:, :start] if mask is not None else torch.ones(batch, start, dtype=torch.long,
+                                                                          device=tokens.device)
+            layers = range(max(stage, 0), num_layers if stop is None else stop)
+            cache = KeyValueCache.prefilled(prefix.repeat(count, 1), {
+                base.keys_values[layer][0]: tuple(base.cache[name][:, :, :start].repeat(count, 1, 1, 1)
+                                                  for name in base.keys_values[layer][1:])
+                for layer in layers
+            }, room=seq - start)
+        hooks = _patch_hooks(jobs[:count], stage, source_cache, values, start)
+        with model.hooks(fwd_hooks=hooks):
+            if stage < 0:
+                x = model(tokens[:, start:].repeat(count, 1), attention_mask=window_mask, stop_at_layer=stop,
+                          past_kv_cache=cache)
+            else:
+                fresh = base.cache[base.streams[stage]][:, start:].repeat(len(joiners), 1, 1)
+                x = fresh if x is None else torch.cat([x.to(fresh.device), fresh])
+                x = model(x, start_at_layer=stage, stop_at_layer=stop, attention_mask=window_mask,
+                          past_kv_cache=cache)
+    return x
+
+
+def _patch_hooks(batch_jobs: list[_Job], stage: int, source_cache, values: dict[str, Value],
+                 start: int) -> list[tuple[str, Callable]]:
+    """A hook per site patched at `stage`, writing each of its jobs' copies among the `batch_jobs` copies."""
+    hooks = []
+    for site in dict.fromkeys(job.patch.site for job in batch_jobs if job.stage == stage):
+        value = values[site]
+        source = _window(source_cache[site], value, start)
+        indices = [_shifted(job.patch.index, value, start) if job.stage == stage and job.patch.site == site
+                   else None for job in batch_jobs]
+        mask = _mask(indices, tuple(source.shape[1:]), source.device)
+        hooks.append((site, partial(_write_patches, mask=mask, source=source)))
+    return hooks
+
+
+def _window(tensor: Tensor, value: Value, start: int) -> Tensor:
+    """`tensor` from position `start` on, along the value's position axis."""
+    if not start or value.seq_axis is None:
+        return tensor
+    return tensor.narrow(value.seq_axis, start, tensor.shape[value.seq_axis] - start)
+
+
+def _shifted(index: tuple, value: Value, start: int) -> tuple:
+    """A patch's index into the window that begins at `start` (its positions before are no-ops)."""
+    if not start or value.seq_axis is None:
+        return index
+    position = len(index) + value.seq_axis
+    selector = index[position]
+    if isinstance(selector, tuple):
+        selector = tuple(p - start for p in selector if p >= start)
+    elif selector is not None:
+        selector -= start
+    return (*index[:position], selector, *index[position + 1:])
 
 
 def attribution_patch(

@@ -26,17 +26,21 @@ from hooked_models.vocabulary import declare_values
 
 @dataclass
 class AttentionInputs:
-    """What every layer's attention needs from the model's forward, computed once per forward.
+    """What every layer needs from the model's forward, computed once per forward.
 
     `mask` is None for a plain causal mask, else a boolean [batch 1 query key] (True: may attend).
     `cos` and `sin` are None for models without rotary. `kv_cache`, when given, holds the earlier
-    positions' keys and values: the queries are then the last positions of the keys.
+    positions' keys and values: the queries are then the last positions of the keys. `window`,
+    when given, is (first position, sequence length): the call runs positions first ... of a
+    sequence that long, the earlier ones held by the cache; a module that routes by absolute
+    position (alpha-er's experts) reads it, and None means the call is the whole sequence.
     """
 
     mask: Bool[Tensor, "batch 1 query key"] | None = None
     cos: Float[Tensor, "batch seq head_dim"] | None = None
     sin: Float[Tensor, "batch seq head_dim"] | None = None
     kv_cache: KeyValueCache | None = None
+    window: tuple[int, int] | None = None
 
 
 def causal_mask(attention_mask: Tensor | None, seq: int, device: torch.device) -> Tensor | None:

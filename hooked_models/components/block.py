@@ -44,4 +44,4 @@ class PreNormBlock(HookedModule):
         # The MLP branch's own copy of h (TransformerLens's hook_mlp_in), only where hooked.
         branch = self.mlp_residual_input(h.clone()) if self.mlp_residual_input.has_hooks() else h
         mlp_in = self.mlp_input(self.mlp_norm_output(self.post_attention_layernorm(branch)))
-        return self.layer_output(h + self.mlp(mlp_in))
+        return self.layer_output(h + self.mlp(mlp_in, inputs))

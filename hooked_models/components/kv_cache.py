@@ -24,6 +24,30 @@ class KeyValueCache:
         self._mask: Int[Tensor, "batch seq"] | None = None
         self.padded = False  # whether any cached position is padding
 
+    @classmethod
+    def prefilled(
+        cls,
+        attention_mask: Int[Tensor, "batch past"],
+        keys_values: "dict[nn.Module, tuple[Tensor, Tensor]] | None" = None,
+        room: int = 0,
+    ) -> "KeyValueCache":
+        """A cache holding positions a forward did not run here, as if it had: `attention_mask`
+        covers them (ones where there is no padding), `keys_values` gives, per attention module,
+        their keys and values in `attention_keys`/`attention_values`' layout (after rotary, before
+        the grouped-query repeat) [batch num_kv_heads past dim]. `room` reserves buffer space for
+        that many positions to come, so the next forward appends without a copy."""
+        cache = cls()
+        batch, past = attention_mask.shape
+        cache.extend_mask(attention_mask, batch, past, attention_mask.device)
+        for module, (k, v) in (keys_values or {}).items():
+            if k.shape[0] != batch or k.shape[-2] != past or v.shape[:-1] != k.shape[:-1]:
+                raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not cover the mask's "
+                                 f"{batch} rows × {past} positions")
+            keys, values = k.new_empty(cls._grown(k, past + room)), v.new_empty(cls._grown(v, past + room))
+            keys[..., :past, :], values[..., :past, :] = k, v
+            cache._entries[module] = [keys, values, past]
+        return cache
+
     @property
     def length(self) -> int:
         """The number of positions cached (padding included)."""
@@ -31,7 +55,7 @@ class KeyValueCache:
 
     def extend_mask(
         self, attention_mask: Int[Tensor, "batch seq"] | None, batch: int, seq: int, device: torch.device
-    ) -> Int[Tensor, "batch seq"] | None:
+    ) -> Int[Tensor, "batch key"] | None:
         """Append the new positions' mask; the mask over every position so far, or None without padding."""
         new = torch.ones(batch, seq, dtype=torch.long, device=device) if attention_mask is None else attention_mask
         if self._mask is not None and self._mask.shape[0] != batch:

@@ -3,9 +3,11 @@ alpha-er's positional expert MLP."""
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from hooked_models.components.attention import AttentionInputs
 from hooked_models.hooks import HookedModule, ValueHook
 from hooked_models.vocabulary import declare_values
 
@@ -30,7 +32,10 @@ class UngatedMLP(HookedModule):
         self.mlp_neurons = ValueHook("mlp_neurons")
         self.mlp_output = ValueHook("mlp_output")
 
-    def forward(self, x: Float[Tensor, "batch seq hidden_size"]) -> Float[Tensor, "batch seq hidden_size"]:
+    def forward(
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs | None = None
+    ) -> Float[Tensor, "batch seq hidden_size"]:
+        # `inputs` (the block passes every MLP the forward's inputs) is not read: each position is its own.
         pre = self.mlp_pre_activation(self.up_proj(x))
         neurons = self.mlp_neurons(self.mlp_activation(self.act_fn(pre)))
         return self.mlp_output(self.down_proj(neurons))
@@ -60,10 +65,11 @@ class ExpertLinear(nn.Module):
         self.register_parameter("bias", None)  # [expert out_features]; only `fold_ln` creates one
 
     def forward(
-        self, x: Float[Tensor, "batch expert window in_features"]
+        self, x: Float[Tensor, "batch expert window in_features"], experts: slice = slice(None)
     ) -> Float[Tensor, "batch expert window out_features"]:
-        out = torch.einsum("bgsi,goi->bgso", x, self.weight)
-        return out if self.bias is None else out + self.bias[:, None, :]
+        """Window g of `x` through expert g of `experts` (all of them by default)."""
+        out = torch.einsum("bgsi,goi->bgso", x, self.weight[experts])
+        return out if self.bias is None else out + self.bias[experts, None, :]
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape
@@ -99,24 +105,39 @@ class PositionalExpertMLP(HookedModule):
         self.mlp_neurons = ValueHook("mlp_neurons")
         self.mlp_output = ValueHook("mlp_output")
 
-    def expert_index(self, seq: int, device=None) -> Tensor:
-        """The expert of each position of a length-`seq` sequence: floor(t·G/T)."""
-        return torch.arange(seq, device=device) * self.experts // seq
+    def expert_index(self, seq: int, device=None, start: int = 0, total: int | None = None) -> Tensor:
+        """The expert of each of `seq` positions from `start` in a sequence of `total` (default:
+        start + seq, the positions are the whole sequence): floor(t·G/T)."""
+        total = start + seq if total is None else total
+        return torch.arange(start, start + seq, device=device) * self.experts // total
 
-    def forward(self, x: Float[Tensor, "batch seq hidden_size"]) -> Float[Tensor, "batch seq hidden_size"]:
+    def forward(
+        self, x: Float[Tensor, "batch seq hidden_size"], inputs: AttentionInputs | None = None
+    ) -> Float[Tensor, "batch seq hidden_size"]:
         batch, seq, hidden = x.shape
-        if seq % self.experts:
+        # A call may be the positions start ... of a longer sequence (`inputs.window`, the earlier
+        # positions held by a key/value cache): routing is by absolute position and full length.
+        start, total = (0, seq) if inputs is None or inputs.window is None else inputs.window
+        if total % self.experts:
             raise ValueError(
-                f"sequence length {seq} is not a multiple of the MLP's {self.experts} experts: "
+                f"sequence length {total} is not a multiple of the MLP's {self.experts} experts: "
                 f"the experts own windows of seq/{self.experts} positions"
             )
         if self.mlp_expert_index.has_hooks():
-            self.mlp_expert_index(self.expert_index(seq, x.device).expand(batch, seq))
-        # Window g of the sequence (positions g·T/G ... (g+1)·T/G - 1) is expert g's.
-        windows = x.view(batch, self.experts, seq // self.experts, hidden)
-        pre = self._dense_hooks(self.up_proj(windows), self.mlp_pre_activation)
-        neurons = self._dense_hooks(self.act_fn(pre), self.mlp_activation, self.mlp_neurons)
-        return self.mlp_output(self.down_proj(neurons).reshape(batch, seq, hidden))
+            self.mlp_expert_index(self.expert_index(seq, x.device, start, total).expand(batch, seq))
+        # Window g of the sequence (positions g·T/G ... (g+1)·T/G - 1) is expert g's. A call that
+        # starts or ends inside a window is padded to whole windows, and the padding dropped after.
+        span = total // self.experts
+        first, last = start // span, -(-(start + seq) // span)
+        lead, tail = start - first * span, last * span - start - seq
+        if lead or tail:
+            x = F.pad(x, (0, 0, lead, tail))
+        experts = slice(first, last)
+        windows = x.view(batch, last - first, span, hidden)
+        pre = self._dense_hooks(self.up_proj(windows, experts), first, lead, seq, self.mlp_pre_activation)
+        neurons = self._dense_hooks(self.act_fn(pre), first, lead, seq, self.mlp_activation, self.mlp_neurons)
+        out = self.down_proj(neurons, experts).reshape(batch, (last - first) * span, hidden)
+        return self.mlp_output(out[:, lead:lead + seq] if lead or tail else out)
 
     # TransformerLens's weight views, one matrix per expert (views of the experts' weights): W_in
     # [expert hidden_size width], W_out [expert width hidden_size]. Flattened over (expert, width)
@@ -126,31 +147,48 @@ class PositionalExpertMLP(HookedModule):
     b_in = property(lambda self: self.up_proj.bias)  # [expert width], once fold_ln has made one
 
     def _dense_hooks(
-        self, compact: Float[Tensor, "batch expert window width"], *points: ValueHook
+        self, compact: Float[Tensor, "batch expert window width"], first: int, lead: int, seq: int,
+        *points: ValueHook,
     ) -> Float[Tensor, "batch expert window width"]:
-        """Run `points` in order on the dense form, if any is hooked; back to each token's own slice."""
+        """Run `points` in order on the dense form of the call's `seq` positions, if any is hooked
+        (`compact` holds windows of experts first ..., its positions from `lead` on); back to each
+        token's own slice."""
         if not any(point.has_hooks() for point in points):
             return compact
-        dense = self.densify(compact)
+        windows, span = compact.shape[1:3]
+        dense = self.densify(compact, first, self.experts)
+        padded = dense.shape[1] != seq
+        if padded:
+            dense = dense[:, lead:lead + seq]
         for point in points:
             dense = point(dense)
-        return self.compact(dense)
+        if padded:
+            dense = F.pad(dense, (0, 0, lead, windows * span - lead - seq))
+        return self.compact(dense, first, windows)
 
     @staticmethod
-    def densify(compact: Float[Tensor, "batch expert window width"]) -> Float[Tensor, "batch seq intermediate_size"]:
-        """Each token's expert slice in place in a [batch seq intermediate_size] tensor of zeros."""
-        batch, experts, window, width = compact.shape
-        dense = compact.new_zeros(batch, experts, window, experts, width)
-        index = torch.arange(experts, device=compact.device)
+    def densify(
+        compact: Float[Tensor, "batch expert window width"], first: int = 0, experts: int | None = None
+    ) -> Float[Tensor, "batch seq intermediate_size"]:
+        """Each token's expert slice in place in a [batch seq intermediate_size] tensor of zeros.
+
+        Window k of `compact` is expert first + k of `experts` (default: the windows are all of them).
+        """
+        batch, windows, span, width = compact.shape
+        experts = windows if experts is None else experts
+        dense = compact.new_zeros(batch, windows, span, experts, width)
+        index = torch.arange(windows, device=compact.device)
         # Advanced indices split by a slice put their dimension first: [expert batch window width].
-        dense[:, index, :, index] = compact.transpose(0, 1)
-        return dense.view(batch, experts * window, experts * width)
+        dense[:, index, :, index + first] = compact.transpose(0, 1)
+        return dense.view(batch, windows * span, experts * width)
 
     def compact(
-        self, dense: Float[Tensor, "batch seq intermediate_size"]
+        self, dense: Float[Tensor, "batch seq intermediate_size"], first: int = 0, windows: int | None = None
     ) -> Float[Tensor, "batch expert window width"]:
-        """The inverse of `densify`: each token's own expert slice, whatever is written elsewhere."""
+        """The inverse of `densify`: each token's own expert slice, whatever is written elsewhere
+        (the positions are `windows` whole windows from expert `first`'s; default: all of them)."""
         batch, seq, _ = dense.shape
-        index = torch.arange(self.experts, device=dense.device)
-        blocks = dense.reshape(batch, self.experts, seq // self.experts, self.experts, self.width)
-        return blocks[:, index, :, index].transpose(0, 1)
+        windows = self.experts if windows is None else windows
+        index = torch.arange(windows, device=dense.device)
+        blocks = dense.reshape(batch, windows, seq // windows, self.experts, self.width)
+        return blocks[:, index, :, index + first].transpose(0, 1)

@@ -30,6 +30,7 @@ from hooked_models.components import (
     SoftCap,
 )
 from hooked_models.components.attention import causal_mask
+from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.config import TransformerLensFields
 from hooked_models.generation import PaddedWindowDecoder
 from hooked_models.hooks import ValueHook
@@ -121,7 +122,14 @@ class HookedAlphaEr(HookedModel):
     """A hooked alpha-er: the standard module tree and vocabulary, exact against the reference.
 
     Load with `HookedAlphaEr.from_pretrained(path)` or `HookedAlphaEr.from_reference(module)`.
+
+    With a key/value cache (`past_kv_cache`) the new positions end the sequence: position t of the
+    cached + new T goes to expert floor(t·G/T), so the cached keys and values must come from a run
+    at that same length T (as activation patching's windows do: hooked_models/patching.py).
+    Incremental decoding would change T at every step; `generate` reruns the padded window instead.
     """
+
+    supports_kv_cache = True
 
     def __init__(self, cfg: AlphaErConfig):
         super().__init__()
@@ -201,8 +209,13 @@ class HookedAlphaEr(HookedModel):
                              f"expert of position t is floor(t·{cfg.mlp_experts}/T), so the model reproduces "
                              f"its training behaviour only at such lengths; {todo}")
 
-    def _check_sequence(self, seq: int, attention_mask: Tensor | None) -> None:
-        self.check_length(seq)
+    def _check_sequence(self, seq: int, attention_mask: Tensor | None, past: int = 0) -> None:
+        # With a key/value cache the sequence is the cached positions and the new ones.
+        self.check_length(past + seq)
+        self._check_right_padding(attention_mask)
+
+    @staticmethod
+    def _check_right_padding(attention_mask: Tensor | None) -> None:
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("alpha-er routes and embeds by position, so padding must be on the right "
                              "(an attention_mask of ones, then zeros)")
@@ -214,9 +227,16 @@ class HookedAlphaEr(HookedModel):
         return x + self.position_embeddings(self.embed_positions(positions).expand(batch, seq, -1))
 
     def _attention_inputs(self, batch: int, seq: int, attention_mask: Int[Tensor, "batch seq"] | None, device,
-                          dtype: torch.dtype, past_kv_cache=None) -> AttentionInputs:
+                          dtype: torch.dtype, past_kv_cache: KeyValueCache | None = None) -> AttentionInputs:
         # Right padding only: real rows attend exactly as unpadded ones (causal), padding is never read.
-        return AttentionInputs(mask=causal_mask(attention_mask, seq, device))
+        if past_kv_cache is None:
+            return AttentionInputs(mask=causal_mask(attention_mask, seq, device))
+        # The new positions end the sequence: T = cached + new, and the experts route by it.
+        past = past_kv_cache.length
+        attention_mask = past_kv_cache.extend_mask(attention_mask, batch, seq, device)
+        self._check_right_padding(attention_mask)  # over the cached positions too
+        return AttentionInputs(mask=causal_mask(attention_mask, seq, device), kv_cache=past_kv_cache,
+                               window=(past, past + seq))
 
     def _decoder(self, use_cache: bool) -> PaddedWindowDecoder:
         # No cache: the reference's rule reruns the whole padded window at every step.

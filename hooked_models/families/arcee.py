@@ -146,15 +146,16 @@ class HookedArcee(HookedModel):
 
     def _attention_inputs(self, batch: int, seq: int, attention_mask: Int[Tensor, "batch seq"] | None, device,
                           dtype: torch.dtype, past_kv_cache: KeyValueCache | None = None) -> AttentionInputs:
-        total = seq
+        total, window = seq, None
         if past_kv_cache is not None:
             # The mask and positions now span the cached positions too; the new ones are the last.
             total = past_kv_cache.length + seq
             attention_mask = past_kv_cache.extend_mask(attention_mask, batch, seq, device)
+            window = (past_kv_cache.length - seq, total)
         positions = positions_from_mask(attention_mask, batch, total, device)[:, total - seq:]
         cos, sin = self.rotary_emb(positions, dtype)
         return AttentionInputs(mask=causal_mask(attention_mask, seq, device), cos=cos, sin=sin,
-                               kv_cache=past_kv_cache)
+                               kv_cache=past_kv_cache, window=window)
 
     @classmethod
     def from_hf(cls, hf_model, dtype: torch.dtype | str | None = None, device=None,

@@ -1,7 +1,5 @@
 """hooked_models.patching against transformer_lens.patching and against one forward per patch."""
 
-import math
-
 import pytest
 import torch
 import transformer_lens.patching as tl_patching
@@ -115,33 +113,204 @@ def test_whole_layer_patch_restores_the_clean_run(tiny_arcee, prompts):
     assert result.clean_metric != result.corrupted_metric
 
 
-def test_memory_budget_sets_the_forwards(tiny_arcee, prompts):
+def test_a_patch_runs_from_its_layer_and_its_first_changed_position(tiny_arcee, prompts):
     clean, corrupted = prompts
-    batches = []
-    hook = ("logits", lambda logits, hook: batches.append(logits.shape[0]))
-    per_row = patching.row_bytes(tiny_arcee, corrupted)
-    with tiny_arcee.hooks(fwd_hooks=[hook]):
-        patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer", "pos"),
-                                  memory_budget=5 * per_row)
-    # Two unpatched runs, then the patches that change something, 5 copies of the 2 prompts a forward:
-    # the embeddings (layer 0) differ at positions 2 and 5 only, layer 1's input from position 2 on.
-    assert batches == [2, 2, 10, 6]
-    assert math.ceil((2 + 6) / 5) == len(batches) - 2
-
-
-def test_layers_below_the_patches_are_replayed_not_recomputed(tiny_arcee, prompts):
-    clean, corrupted = prompts
-    runs = {0: [], 1: []}
-    hooks = [(f"layers.{i}.layer_output", lambda x, hook, i=i: runs[i].append(x.shape[0])) for i in (0, 1)]
+    seen = {0: [], 1: []}
+    hooks = [(f"layers.{i}.layer_input", lambda x, hook, i=i: seen[i].append(tuple(x.shape[:2]))) for i in (0, 1)]
     with tiny_arcee.hooks(fwd_hooks=hooks):
-        result = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "attention_head_outputs",
-                                           ("layer", "head"), select={"layer": [1]})
-    # Layer 0 ran for the clean and corrupted runs only; layer 1 also for the 10 patched copies.
-    assert runs == {0: [2, 2], 1: [2, 2, 20]}
+        result = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "layer_input", ("layer", "pos"),
+                                           select={"layer": [1], "pos": [5]})
+        heads = patching.activation_patch(tiny_arcee, clean, corrupted, metric, "attention_head_outputs",
+                                          ("layer", "head"), select={"layer": [1]})
+    # Layer 0 ran for the clean and corrupted runs only; layer 1 also for the patched copy, positions 5-7;
+    # the 10 head patches (every position) from position 2, the prompts' first difference.
+    assert seen == {0: [(2, SEQ)] * 4, 1: [(2, SEQ), (2, SEQ), (2, 3), (2, SEQ), (2, SEQ), (20, 6)]}
     with torch.no_grad():
         _, clean_cache = tiny_arcee.run_with_cache(clean)
-        expected = tl_patching.get_act_patch_attn_head_out_all_pos(tiny_arcee, corrupted, clean_cache, metric)
-    torch.testing.assert_close(result.values[0], expected[1].float(), rtol=1e-5, atol=1e-6)
+        expected = tl_patching.get_act_patch_resid_pre(tiny_arcee, corrupted, clean_cache, metric)
+        expected_heads = tl_patching.get_act_patch_attn_head_out_all_pos(tiny_arcee, corrupted, clean_cache, metric)
+    torch.testing.assert_close(result.values[0, 0], expected[1, 5].float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(heads.values[0], expected_heads[1].float(), rtol=1e-5, atol=1e-6)
+
+
+def forwards(model, run) -> list[int]:
+    """The rows of each forward that computes logits while `run()` runs."""
+    rows = []
+    with model.hooks(fwd_hooks=[("logits", lambda logits, hook: rows.append(logits.shape[0]))]):
+        run()
+    return rows
+
+
+def test_the_memory_budget_sets_the_copies_per_forward(tiny_arcee, prompts):
+    clean, corrupted = prompts
+
+    def sweep(**options):
+        return patching.activation_patch(tiny_arcee, clean, corrupted, metric, "attention_head_outputs",
+                                         ("layer", "head"), **options)
+
+    # The 20 head patches (all positions) each change positions 2 ... only: a copy costs row_bytes from there.
+    per_copy = patching.row_bytes(tiny_arcee, corrupted, start=2)
+    assert per_copy > patching.row_bytes(tiny_arcee, corrupted, start=3)
+    # Two unpatched runs, then the patched copies of the 2 prompts: all 20 at once when they fit, no
+    # more than 7 a forward within 7 copies' bytes, one at a time when not even one fits.
+    assert forwards(tiny_arcee, lambda: sweep()) == [2, 2, 40]
+    assert forwards(tiny_arcee, lambda: sweep(memory_budget=7 * per_copy)) == [2, 2, 14, 14, 12]
+    assert forwards(tiny_arcee, lambda: sweep(memory_budget=1)) == [2, 2] + [2] * 20
+    assert forwards(tiny_arcee, lambda: sweep(batch_size=8)) == [2, 2, 16, 16, 8]
+    # The chunks change nothing but rounding (test_results_equal_one_forward_per_patch gives the bound).
+    bound = 4 * torch.finfo(torch.float32).eps * tiny_arcee(corrupted).abs().max()
+    default = sweep().values
+    for options in ({"memory_budget": 1}, {"memory_budget": 7 * per_copy}, {"batch_size": 3}):
+        assert (sweep(**options).values - default).abs().max() <= bound
+    for bad in (0, -5, True):
+        with pytest.raises(ValueError, match=f"memory_budget={bad!r} must be a positive integer"):
+            sweep(memory_budget=bad)
+
+
+def test_the_default_budget_is_half_the_free_memory(tiny_arcee, prompts, monkeypatch):
+    clean, corrupted = prompts
+    asked = []
+
+    def free(device):
+        asked.append(torch.device(device).type)
+        return 2 * 5 * patching.row_bytes(tiny_arcee, corrupted, start=2)  # half of it: 5 copies
+
+    monkeypatch.setattr(patching, "free_memory", free)
+    rows = forwards(tiny_arcee, lambda: patching.activation_patch(
+        tiny_arcee, clean, corrupted, metric, "attention_head_outputs", ("layer", "head")))
+    assert asked == ["cpu"] and rows == [2, 2, 10, 10, 10, 10]
+
+
+def test_free_memory_reads_the_device():
+    from hooked_models.devices import free_memory
+
+    with open("/proc/meminfo") as meminfo:
+        available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    # Other processes allocate and free between the two reads: within 5% of each other.
+    assert abs(free_memory("cpu") - available) < 0.05 * available
+
+
+def test_starts_share_a_forward_when_that_is_cheaper():
+    """Patches of one start share a forward; the next start's join it while the positions they then
+    run for nothing cost less than the layer calls a forward of their own would."""
+    jobs = [patching._Job(row, patching.Patch("layers.0.layer_input", (None, None)), stage, start)
+            for row, (stage, start) in enumerate([(0, 1), (1, 1), (0, 2), (1, 2), (1, 6)])]
+
+    def chunks(call_rows: float, capacity=100):
+        found = patching._chunks(jobs, 4, 14, 2, lambda start: capacity, call_rows)
+        return [[job.row for job in chunk] for chunk in found]
+
+    # Overhead-bound (a tiny model): one forward. Compute-bound: a forward per start.
+    assert chunks(call_rows=1000.0) == [[0, 1, 2, 3, 4]]
+    assert chunks(call_rows=1.0) == [[0, 1], [2, 3], [4]]
+    # In between, 10 rows a layer call: start 2 joins start 1 (its copies of the 4 prompts run one position
+    # more through their 3 and 2 stages: 20 rows, against 3 layer calls saved); start 6 does not (4 more
+    # positions through 2 stages: 32 rows, against 2 calls).
+    assert chunks(call_rows=10.0) == [[0, 1, 2, 3], [4]]
+    # The memory budget caps a forward: a start's jobs split in stage order, a merge must fit too.
+    assert chunks(call_rows=1000.0, capacity=3) == [[0, 1], [2, 3, 4]]
+
+
+# ------------------------------------------------------------------ every value kind against the plain loop
+def plain_loop(model, base, source, metric, value, over, select, attention_mask):
+    """The reference: one full forward per patch, each writing the source run's values over the patch's
+    region (every position of every prompt it indexes) with a plain `torch.where`. The patches and
+    their order are the plan's (`patching.plan`, which the label tests above check)."""
+    sites = patching.find_sites(model, value)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(source, names_filter=[s.name for s in sites], attention_mask=attention_mask)
+        sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
+        grid, patches = patching.plan(model, sites, over, select, sizes)
+        values = []
+        for patch in patches:
+            shape = cache[patch.site].shape[1:]
+            region = torch.ones(shape, dtype=torch.bool)
+            for d, selector in enumerate(patch.index):
+                if selector is not None:
+                    line = torch.zeros(shape[d], dtype=torch.bool)
+                    line[list(selector) if isinstance(selector, tuple) else selector] = True
+                    region &= line.view([-1 if i == d else 1 for i in range(len(shape))])
+
+            def write(activation, hook, region=region, source=cache[patch.site]):
+                return torch.where(region, source, activation)
+
+            logits = model.run_with_hooks(base, attention_mask=attention_mask, fwd_hooks=[(patch.site, write)])
+            values.append(float(metric(logits)))
+    return torch.tensor(values).reshape(grid.shape)
+
+
+def every_position_metric(attention_mask):
+    """logit(5) − logit(7) averaged over every real position: a patch's effect anywhere shows, and so
+    would a wrong logit at a position before the patch (those come from the unpatched run)."""
+    def metric(logits):
+        weight = torch.ones(logits.shape[:2]) if attention_mask is None else attention_mask.float()
+        return ((logits[..., 5] - logits[..., 7]).float() * weight).sum() / weight.sum()
+    return metric
+
+
+SWEEPS = [  # (value, over, select): each value kind the module sweeps, by its usual axes and others
+    ("layer_input", ("layer", "pos"), None),
+    ("layer_mid", ("layer", "pos"), None),
+    ("layer_output", ("layer",), None),
+    ("attention_output", ("layer", "pos"), None),
+    ("mlp_output", ("layer", "pos"), None),
+    ("attention_norm_output", ("layer", "pos"), {"pos": [1, 2, 6]}),
+    ("attention_head_outputs", ("layer", "head"), None),
+    ("attention_head_outputs", ("layer", "pos", "head"), {"pos": [2, 5, 7], "head": [0, 3]}),
+    ("attention_head_results", ("layer", "head"), None),
+    ("attention_keys", ("layer", "kv_head"), None),
+    ("attention_values", ("layer", "pos"), None),
+    ("attention_queries", ("layer", "head"), None),
+    ("attention_probabilities", ("layer", "head"), None),
+    ("attention_scores", ("layer", "src_pos"), None),
+    ("attention_probabilities", ("layer", "dest_pos", "head"), {"dest_pos": [3, 6], "head": [1, 2]}),
+    ("mlp_neurons", ("layer", "neuron"), {"neuron": [0, 5, 17, 30, 47]}),
+    ("mlp_pre_activation", ("layer", "pos"), None),
+    ("token_embeddings", ("pos",), None),
+    ("final_norm_output", ("pos",), None),
+    ("logits", ("pos",), None),
+]
+ALPHA_ER_SWEEPS = [
+    ("mlp_output", ("layer", "expert"), None),
+    ("mlp_neurons", ("layer", "expert"), None),
+    ("qkv_proj.bottleneck", ("layer", "rank"), None),
+    ("o_proj.bottleneck_normed", ("layer", "pos"), None),
+    ("lm_head.bottleneck_normed", ("rank",), None),
+    ("attention_raw_scores", ("layer", "head"), None),
+    ("position_embeddings", ("pos",), None),
+]
+
+
+@pytest.mark.parametrize("family, value, over, select", [("arcee", *sweep) for sweep in SWEEPS] + [
+    ("alpha_er", *sweep) for sweep in SWEEPS + ALPHA_ER_SWEEPS])
+def test_results_equal_one_forward_per_patch(tiny_arcee, alpha_er, prompts, family, value, over, select):
+    """Every value kind, both directions, both families, with and without padding: the result equals
+    the plain loop's to float32 rounding.
+
+    Not bit for bit: each patched run computes its window of layers and positions in other matmul
+    shapes than a full forward (a matmul's rounding depends on its row count with this torch's CPU
+    BLAS) and reads the earlier positions' keys from a cache (the window alone:
+    tests/hooked_models/components/test_kv_cache.py). Measured: at most 0.9 float32 epsilons of the
+    largest logit apart; the bound is 4.
+    """
+    model = tiny_arcee if family == "arcee" else alpha_er
+    clean, corrupted = (p % model.cfg.vocab_size for p in prompts)
+    padded = torch.ones_like(clean)
+    if family == "arcee":
+        padded[1, :2] = 0  # left padding
+    else:
+        padded[0, 6:] = 0  # right padding, alpha-er's rule
+    for direction, mask in (("denoising", None), ("noising", padded)):
+        metric = every_position_metric(mask)
+        ours = patching.activation_patch(model, clean, corrupted, metric, value, over, direction=direction,
+                                         select=select, attention_mask=mask)
+        base, source = (corrupted, clean) if direction == "denoising" else (clean, corrupted)
+        expected = plain_loop(model, base, source, metric, value, over, select, mask)
+        bound = 4 * torch.finfo(torch.float32).eps * model(base, attention_mask=mask).abs().max()
+        assert ours.values.shape == expected.shape
+        assert (ours.values - expected).abs().max() <= bound, (direction, (ours.values - expected).abs().max())
+        # Non-trivial: the sweep moves the metric (alpha-er's positions are the same in both runs).
+        assert (expected != ours.baseline).any() == (value != "position_embeddings")
 
 
 def test_progress_bar_when_asked(tiny_arcee, prompts, capsys):
@@ -215,6 +384,9 @@ def test_sites_and_errors(tiny_arcee, prompts):
         patching.activation_patch(tiny_arcee, clean, corrupted, metric, select={"pos": [8]})
     with pytest.raises(ValueError, match="one shape"):
         patching.activation_patch(tiny_arcee, clean, corrupted[:, :-1], metric)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 7\), but the prompts are \(2, 8\)"):
+        patching.activation_patch(tiny_arcee, clean, corrupted, metric,
+                                  attention_mask=torch.ones(2, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="must return a scalar"):
         patching.activation_patch(tiny_arcee, clean, corrupted, lambda logits: logits[:, -1, 0], select={"pos": [0]})
     with pytest.raises(ValueError, match="direction"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hooked_models.components import PositionalExpertMLP
+from hooked_models.components import AttentionInputs, PositionalExpertMLP
 from hooked_models.hooks import HookWriteError
 
 HIDDEN, EXPERTS, WIDTH = 6, 4, 5
@@ -52,24 +52,27 @@ def test_routing_and_dense_neurons(mlp, seq):
         mlp(x)
 
 
-def test_a_write_to_one_neuron_flows_on(mlp):
-    x = torch.randn(1, 8, HIDDEN)
-    g, n = 2, 3
-
-    def zero(t, hook):
+def zeroing(g: int, n: int):
+    """Neuron n of expert g set to zero: (a hook on the dense neurons, the same edit for `per_token`)."""
+    def hook(t, hook):
         t = t.clone()
         t[..., g * WIDTH + n] = 0.0
         return t
 
-    mlp.mlp_neurons.add_hook(zero)
-    edited = mlp(x)
-
-    def zero_ref(h, expert, t):
+    def edit(h, expert, t):
         if expert == g:
             h = h.clone()
             h[:, n] = 0.0
         return h
 
+    return hook, edit
+
+
+def test_a_write_to_one_neuron_flows_on(mlp):
+    x = torch.randn(1, 8, HIDDEN)
+    zero, zero_ref = zeroing(2, 3)
+    mlp.mlp_neurons.add_hook(zero)
+    edited = mlp(x)
     _, expected = per_token(mlp, x, zero_ref)
     torch.testing.assert_close(edited, expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(edited, per_token(mlp, x)[1], atol=1e-4)
@@ -111,6 +114,34 @@ def test_the_dense_form_is_built_only_when_hooked(mlp, monkeypatch):
 def test_length_must_split_into_experts(mlp):
     with pytest.raises(ValueError, match="sequence length 6 is not a multiple of the MLP's 4 experts"):
         mlp(torch.randn(1, 6, HIDDEN))
+    # A window's length is the whole sequence's, cached positions included.
+    with pytest.raises(ValueError, match="sequence length 10 is not a multiple of the MLP's 4 experts"):
+        mlp(torch.randn(1, 8, HIDDEN), AttentionInputs(window=(2, 10)))
+
+
+@pytest.mark.parametrize("seq", [8, 12])
+def test_a_window_routes_by_absolute_position(mlp, seq):
+    """Positions start ... of a length-seq sequence (the earlier ones in a key/value cache) go to the
+    experts the whole sequence gives them, windows that start or end inside an expert's included;
+    the hooks see the window's own positions, and a write there flows on."""
+    x = torch.randn(2, seq, HIDDEN)
+    neurons, expected = per_token(mlp, x)
+    write, edit = zeroing(2, 3)  # a neuron of the expert that owns the positions from seq/2 on
+    _, zeroed = per_token(mlp, x, edit)
+    for start in range(seq):
+        seen = {}
+        mlp.mlp_neurons.add_hook(lambda t, hook: seen.update({"neurons": t}))
+        mlp.mlp_expert_index.add_hook(lambda t, hook: seen.update({"experts": t}))
+        out = mlp(x[:, start:], AttentionInputs(window=(start, seq)))
+        torch.testing.assert_close(out, expected[:, start:], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(seen["neurons"], neurons[:, start:], rtol=1e-5, atol=1e-6)
+        assert seen["experts"].tolist() == [[t * EXPERTS // seq for t in range(start, seq)]] * 2
+        mlp.mlp_neurons.remove_hooks()
+        mlp.mlp_expert_index.remove_hooks()
+        mlp.mlp_activation.add_hook(write)
+        torch.testing.assert_close(mlp(x[:, start:], AttentionInputs(window=(start, seq))), zeroed[:, start:],
+                                   rtol=1e-5, atol=1e-6)
+        mlp.mlp_activation.remove_hooks()
 
 
 @pytest.mark.parametrize("experts", [2, 16])

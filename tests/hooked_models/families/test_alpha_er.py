@@ -143,7 +143,7 @@ class FlatBatchRouting(nn.Module):
         super().__init__()
         self.inner = mlp
 
-    def forward(self, x):
+    def forward(self, x, inputs=None):  # the block passes every MLP its AttentionInputs
         batch, seq, hidden = x.shape
         return self.inner(x.reshape(1, batch * seq, hidden)).reshape(batch, seq, hidden)
 
