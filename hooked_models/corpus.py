@@ -602,6 +602,8 @@ class _Manifest:
         self.data: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
 
     def save(self) -> None:
+        # Shards in index order, whatever order they finished in: the same harvest, the same bytes.
+        self.data["shards"] = dict(sorted(self.data.get("shards", {}).items(), key=lambda item: int(item[0])))
         partial = self.path.with_name(f".{MANIFEST}.{uuid.uuid4().hex}")
         partial.write_text(json.dumps(self.data, indent=1))
         os.replace(partial, self.path)
