@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tokens per window: needed to pack text (default: the windows' own length)")
     harvest.add_argument("--batch-size", type=int, default=32, help="windows per forward (default: %(default)s)")
     harvest.add_argument("--shard-size", type=int, default=None,
-                         help="windows per shard file (default: about 256 MiB of activations)")
+                         help="windows per shard file, the unit of work a worker takes (default: about 64 MiB of "
+                              "activations)")
     harvest.add_argument("--no-resume", action="store_true",
                          help="refuse a non-empty --out instead of continuing the harvest there")
 

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +56,7 @@ MANIFEST = "manifest.json"
 WINDOWS = "windows.int32"
 FORMAT = "hooked_models.corpus.harvest/1"
 # A shard holds about this many bytes of activations (a whole number of batches, at least one).
-SHARD_BYTES = 256 * 2**20
+SHARD_BYTES = 64 * 2**20
 # Ray actors reserve part of a CPU: whole CPUs per actor starve the read stage on a small machine.
 ACTOR_CPUS = 0.5
 
@@ -547,9 +547,11 @@ class HarvestSummary:
     def __str__(self) -> str:
         layers = "all layers" if self.layers_run is None else f"layers 0-{self.layers_run - 1}"
         resumed = self.shards - self.shards_run
-        return (f"harvested {len(self.names)} value(s) over {self.rows} windows x {self.context_size} tokens "
-                f"({self.tokens} tokens, {self.shards} shards{f', {resumed} resumed' if resumed else ''}) into "
-                f"{self.out} in {self.seconds:.1f} s: {self.tokens_per_second:,.0f} tokens/s "
+        what = (f"{len(self.names)} value(s) over {self.rows} windows x {self.context_size} tokens ({self.tokens} "
+                f"tokens, {self.shards} shards{f', {resumed} resumed' if resumed else ''})")
+        if self.shards_run == 0:
+            return f"the harvest in {self.out} of {what} was already complete: nothing to run"
+        return (f"harvested {what} into {self.out} in {self.seconds:.1f} s: {self.tokens_per_second:,.0f} tokens/s "
                 f"({self.engine}, {self.num_workers} worker{'s' if self.num_workers > 1 else ''}, {layers} run)")
 
 
@@ -675,7 +677,8 @@ def harvest(
       cluster, or on a local one; one GPU each where the cluster has GPUs). The output is the same bytes.
     resume: continue the harvest already in `out` (refused if it is another model, config, corpus, names,
       dtype or size); False refuses a non-empty `out`.
-    shard_size: rows per shard file (default: about 256 MiB of activations, whole batches).
+    shard_size: rows per shard file, the unit of work a worker takes (default: about 64 MiB of
+      activations, whole batches).
 
     Only the layers up to the deepest named value run. Memory stays one batch of activations per worker,
     whatever the corpus's size. Returns a HarvestSummary; `datasets.load_from_disk(out)` reads the result.
