@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
@@ -321,7 +321,9 @@ def _source(dataset, column: str | None, rows: int = 1024) -> _Source:
         kind = "text" if getattr(feature, "dtype", None) in ("string", "large_string") else "tokens"
 
     def batches():
-        for batch in dataset.select_columns([column]).iter(batch_size=rows):
+        # Token windows come as numpy arrays (a list of lists per batch would cost a Python int per token).
+        selected = dataset.select_columns([column])
+        for batch in (selected if kind == "text" else selected.with_format("numpy")).iter(batch_size=rows):
             values = batch[column]
             if kind == "text":
                 if values and not isinstance(values[0], str):
@@ -329,7 +331,7 @@ def _source(dataset, column: str | None, rows: int = 1024) -> _Source:
                 yield values
                 continue
             try:
-                array = np.asarray(values, dtype=np.int64)
+                array = np.asarray(values.tolist() if values.dtype == object else values, dtype=np.int64)
             except (ValueError, TypeError):
                 raise ValueError(f"the rows of token column {column!r} differ in length; give token windows "
                                  "of one length, or documents as a text column to be packed") from None
@@ -470,7 +472,7 @@ def _per_position(tensor: Tensor, value) -> Tensor:
     return tensor.movedim(value.seq_axis % tensor.ndim, 1).reshape(tensor.shape[0], tensor.shape[value.seq_axis], -1)
 
 
-def _activations(model, tokens: Tensor, names, stop_at_layer) -> dict[str, Tensor] | None:
+def _activations(model, tokens: Int[Tensor, "batch seq"], names, stop_at_layer) -> dict[str, Tensor] | None:
     """The named values of one batch, [batch seq rest] each, running the layers below `stop_at_layer`
     only (None: all); None if a value did not fire in that partial run."""
     with torch.no_grad():
@@ -574,7 +576,7 @@ def _names(model, names) -> tuple[str, ...]:
     return tuple(resolved)
 
 
-def _layers_needed(model, names: tuple[str, ...], probe: Tensor) -> tuple[int | None, dict[str, Tensor]]:
+def _layers_needed(model, names: tuple[str, ...], probe: Int[Tensor, "1 seq"]) -> tuple[int | None, dict[str, Tensor]]:
     """(stop_at_layer, a probe's values): the layers up to the deepest named value's run; a value read
     after the layers (final_norm_output, logits) needs the whole run (None). Decided by a one-row run."""
     deepest = max((int(m.group(1)) + 1 for n in names if (m := re.match(r"layers\.(\d+)\.", n))), default=0)

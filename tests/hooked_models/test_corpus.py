@@ -140,6 +140,15 @@ def test_harvest_packs_text_with_the_models_tokenizer(family, tmp_path):
                        reference_columns(model, windows, ["layers.1.layer_output"], 8)["layers.1.layer_output"])
 
 
+def test_a_streaming_dataset_gives_the_same_harvest(tmp_path):
+    model = HookedArcee.from_pretrained("embedded")
+    rows = {"input_ids": tokens_for(model, 20).tolist()}
+    for name, dataset in (("map", datasets.Dataset.from_dict(rows)),
+                          ("stream", datasets.Dataset.from_dict(rows).to_iterable_dataset())):
+        corpus.harvest(model, dataset, ["layers.1.self_attn.attention_keys"], tmp_path / name, shard_size=8)
+    assert output_files(tmp_path / "stream") == output_files(tmp_path / "map")
+
+
 @pytest.mark.parametrize("context_size, message", [(10, "multiple of mlp_experts=4"), (20, "longer than block_size")])
 def test_alpha_er_windows_obey_its_length_rule(tmp_path, context_size, message):
     texts = {"text": make_ioi_prompts(8, 0).clean_text}
@@ -339,6 +348,16 @@ def test_patch_with_a_custom_metric_from_a_saved_dataset(tmp_path):
     bound = 2 * 12 * U32 * float(result.pair_values.abs().max())
     assert float((result.values - whole.values).abs().max()) <= bound
     assert result.pair_values.shape == (12, *whole.values.shape)
+
+
+def test_logit_diff_reads_each_pairs_position():
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
+    rows = {"answer": torch.tensor([1, 2, 3]), "wrong": torch.tensor([4, 5, 6]), "position": torch.tensor([4, 0, 2])}
+    expected = torch.stack([logits[i, p, a] - logits[i, p, w]
+                            for i, (a, w, p) in enumerate(zip(rows["answer"], rows["wrong"], rows["position"]))])
+    assert torch.equal(corpus.logit_diff(logits, rows), expected)
+    last = {k: v for k, v in rows.items() if k != "position"}
+    assert torch.equal(corpus.logit_diff(logits, last).mean(), patching.logit_diff_metric(last["answer"], last["wrong"])(logits))
 
 
 def test_patch_errors_are_clear():
