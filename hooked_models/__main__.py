@@ -20,7 +20,10 @@ starts one on this machine.
 """
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _command(commands, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with the flags both share (the model, its dtype, the engine)."""
+    parser = commands.add_parser(name, help=summary, description=description + COMMON,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="checkpoint path, 'embedded', or a Hub id in the local cache")
     parser.add_argument("--family", choices=("arcee", "alpha_er", "alpha-er"), default=None,
@@ -33,6 +36,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="model replicas with --engine ray, one GPU each where the cluster has GPUs "
                              "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
 
 
 def _dataset(path: str):
@@ -54,13 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hooked_models", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    harvest = commands.add_parser(
-        "harvest", help="write activations over a corpus to disk (SAELens's cached-activations layout)",
-        description="Write the activations of --names over a corpus to --out: a `datasets` dataset on disk "
-                    "with one [context_size, d] column per value and token_ids, in shards, with a manifest. "
-                    "Rerunning a killed harvest finishes it." + COMMON,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(harvest)
+    harvest = _command(
+        commands, "harvest", "write activations over a corpus to disk (SAELens's cached-activations layout)",
+        "Write the activations of --names over a corpus to --out: a `datasets` dataset on disk with one "
+        "[context_size, d] column per value and token_ids, in shards, with a manifest. Rerunning a killed "
+        "harvest finishes it.")
     harvest.add_argument("--names", nargs="+", required=True,
                          help="values to store, standard or TransformerLens names (layers.1.layer_output, "
                               "blocks.0.attn.hook_z, ...)")
@@ -79,13 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     harvest.add_argument("--no-resume", action="store_true",
                          help="refuse a non-empty --out instead of continuing the harvest there")
 
-    patch = commands.add_parser(
-        "patch", help="activation patching over a dataset of prompt pairs: the mean over the pairs",
-        description="Patch --value over --over at every location, on every pair of --pairs (a saved "
-                    "`datasets` directory with clean, corrupted, answer and wrong columns), in chunks; print "
-                    "the locations that move the mean logit difference most." + COMMON,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(patch)
+    patch = _command(
+        commands, "patch", "activation patching over a dataset of prompt pairs: the mean over the pairs",
+        "Patch --value over --over at every location, on every pair of --pairs (a saved `datasets` directory "
+        "with clean, corrupted, answer and wrong columns), in chunks; print the locations that move the mean "
+        "logit difference most.")
     patch.add_argument("--pairs", required=True,
                        help="a `datasets` directory saved by save_to_disk: clean and corrupted token ids of one "
                             "length, answer and wrong token ids (and optionally position)")
