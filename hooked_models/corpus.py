@@ -54,6 +54,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 STORAGE = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.bfloat16: "float32"}
 MANIFEST = "manifest.json"
 WINDOWS = "windows.int32"
+SHARD_FILE = "data-{shard:05d}.arrow"
 FORMAT = "hooked_models.corpus.harvest/1"
 # A shard holds about this many bytes of activations (a whole number of batches, at least one).
 SHARD_BYTES = 64 * 2**20
@@ -463,7 +464,7 @@ class HarvestPlan:
 
 
 def shard_file(shard: int) -> str:
-    return f"data-{shard:05d}.arrow"
+    return SHARD_FILE.format(shard=shard)
 
 
 def _per_position(tensor: Tensor, value) -> Tensor:
@@ -599,15 +600,32 @@ def _features(values: dict[str, Tensor], storage: str, context_size: int):
 
 class _Manifest:
     """out/manifest.json: the harvest's identity (model, corpus, names, dtype, sizes) and the shards done,
-    rewritten whole (temporary name, then renamed) after each change."""
+    rewritten whole (temporary name, then renamed) after each change.
+
+    The shards done are kept as runs of consecutive shards with their rows (`{"shards": [0, 40], "rows":
+    [0, 2560]}`: shards 0-39 hold rows 0-2559, in files data-00000.arrow ...), so the manifest stays a few
+    lines however many shards a corpus has (workers finish them nearly in order)."""
 
     def __init__(self, out: Path):
         self.path = out / MANIFEST
         self.data: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.runs = [run["shards"] for run in self.data.get("shards", [])]
+        self.done = {shard for a, b in self.runs for shard in range(a, b)}
+
+    def record(self, shard: int, plan: "HarvestPlan") -> None:
+        self.done.add(shard)
+        merged: list[list[int]] = []
+        for a, b in sorted([*self.runs, [shard, shard + 1]]):  # a few runs: as many as workers, roughly
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.runs = merged
+        self.data["shards"] = [{"shards": [a, b], "rows": [plan.shard_rows(a)[0], plan.shard_rows(b - 1)[1]]}
+                               for a, b in merged]
+        self.save()
 
     def save(self) -> None:
-        # Shards in index order, whatever order they finished in: the same harvest, the same bytes.
-        self.data["shards"] = dict(sorted(self.data.get("shards", {}).items(), key=lambda item: int(item[0])))
         partial = self.path.with_name(f".{MANIFEST}.{uuid.uuid4().hex}")
         partial.write_text(json.dumps(self.data, indent=1))
         os.replace(partial, self.path)
@@ -736,7 +754,8 @@ def harvest(
                              f"{job['dataset']} now); it is never mixed with this one: harvest into another "
                              "directory, or delete it to start over")
         if not existing:
-            manifest.data = {**job, "rows": None, "layers_run": stop_at_layer, "shards": {}, "complete": False}
+            manifest.data = {**job, "rows": None, "layers_run": stop_at_layer, "shard_files": SHARD_FILE,
+                             "shards": [], "complete": False}
             manifest.save()
         if manifest.data["rows"] is None or (not (out / WINDOWS).exists() and not manifest.data["complete"]):
             rows = _stage_windows(_chain([first], windows), model, out / WINDOWS)
@@ -747,7 +766,7 @@ def harvest(
         rows = manifest.data["rows"]
         plan = HarvestPlan(str(out), names, stop_at_layer, context_size, batch_size, job["shard_size"], rows,
                            features, torch.get_num_threads())
-        todo = [s for s in range(plan.shards) if str(s) not in manifest.data["shards"]]
+        todo = [s for s in range(plan.shards) if s not in manifest.done]
         (out / ".tmp").mkdir(exist_ok=True)
         show = sys.stderr.isatty() if progress is None else progress
         with tqdm(total=rows * context_size, initial=(rows - sum(_rows(plan, s) for s in todo)) * context_size,
@@ -759,10 +778,8 @@ def harvest(
                 for result in _run(HarvestWorker, worker_model, plan, [{"shard": s} for s in todo], engine,
                                    num_workers):
                     shard = int(result["shard"])
-                    start, stop = plan.shard_rows(shard)
-                    manifest.data["shards"][str(shard)] = {"file": shard_file(shard), "rows": [start, stop]}
-                    manifest.save()
-                    bar.update((stop - start) * context_size)
+                    manifest.record(shard, plan)
+                    bar.update(_rows(plan, shard) * context_size)
         _finish(out, manifest, plan)
     return HarvestSummary(out, names, rows, context_size, plan.shards, len(todo), time.perf_counter() - began,
                           stop_at_layer, engine, num_workers)
@@ -782,8 +799,7 @@ def _finish(out: Path, manifest: _Manifest, plan: HarvestPlan) -> None:
     """Write `datasets`' dataset_info.json and state.json over the shards, in order, and drop the staging."""
     import datasets
 
-    missing = [s for s in range(plan.shards) if str(s) not in manifest.data["shards"]
-               or not (out / shard_file(s)).exists()]
+    missing = [s for s in range(plan.shards) if s not in manifest.done or not (out / shard_file(s)).exists()]
     if missing:
         raise RuntimeError(f"shards {missing[:10]} of {out} are missing after the run")
     datasets.DatasetInfo(features=plan.features).write_to_directory(str(out))

@@ -51,6 +51,12 @@ def load(out):
     return datasets.load_from_disk(str(out)).with_format("torch")[:]
 
 
+def shards_done(out: Path) -> int:
+    """How many shards the manifest records (it is replaced whole, never seen half-written)."""
+    runs = json.loads((out / "manifest.json").read_text())["shards"]
+    return sum(run["shards"][1] - run["shards"][0] for run in runs)
+
+
 def output_files(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != ".lock"}
 
@@ -74,9 +80,8 @@ def test_harvest_columns_are_the_models_values(tl_model, tmp_path):
     assert features["token_ids"].feature.dtype == "int32" and features["token_ids"].length == 16
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["names"] == standard and manifest["complete"] and manifest["layers_run"] is None
-    assert manifest["shards"] == {"0": {"file": "data-00000.arrow", "rows": [0, 10]},
-                                  "1": {"file": "data-00001.arrow", "rows": [10, 20]},
-                                  "2": {"file": "data-00002.arrow", "rows": [20, 24]}}
+    assert manifest["shards"] == [{"shards": [0, 3], "rows": [0, 24]}]
+    assert manifest["shard_files"] == "data-{shard:05d}.arrow"
     assert manifest["model"] == corpus.model_identity(tl_model)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         ".lock", "data-00000.arrow", "data-00001.arrow", "data-00002.arrow", "dataset_info.json", "manifest.json",
@@ -205,26 +210,26 @@ def test_a_killed_harvest_finishes_on_rerun(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 127, (1024, 16))
     np.save(tmp_path / "tokens.npy", tokens)
     names = ["layers.0.layer_output", "blocks.1.hook_mlp_out"]
-    options = dict(batch_size=4, shard_size=4)  # 256 shards
+    options = dict(batch_size=2, shard_size=2)  # 512 shards: the kill lands mid-run even on a loaded machine
     corpus.harvest("embedded", tokens, names, tmp_path / "whole", **options)
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "hooked_models", "harvest", "--model", "embedded", "--names", *names,
-               "--dataset", str(tmp_path / "tokens.npy"), "--out", str(out), "--batch-size", "4",
-               "--shard-size", "4", "--no-progress"]
+               "--dataset", str(tmp_path / "tokens.npy"), "--out", str(out), "--batch-size", "2",
+               "--shard-size", "2", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # the arithmetic of this process's 1 thread
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not (out / "data-00000.arrow").exists():
+    while not (out / "manifest.json").exists() or not shards_done(out):
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
         assert time.monotonic() < deadline
-        time.sleep(0.005)
+        time.sleep(0.005)  # until the first shard is recorded (the manifest is replaced whole, never half-written)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert not manifest["complete"] and 0 < len(manifest["shards"]) < 256  # killed mid-run
+    done = shards_done(out)
+    assert not json.loads((out / "manifest.json").read_text())["complete"] and 0 < done < 512  # killed mid-run
     assert not (out / "state.json").exists()
     summary = corpus.harvest("embedded", tokens, names, out, **options)
-    assert summary.shards_run == 256 - len(manifest["shards"])
+    assert summary.shards_run == 512 - done
     assert output_files(out) == output_files(tmp_path / "whole")
 
 
