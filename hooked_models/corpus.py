@@ -22,6 +22,7 @@ so the output is the same bytes whichever engine, worker count or interruption p
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -705,8 +706,10 @@ def harvest(
     """
     began = time.perf_counter()
     _check_engine(engine, num_workers)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+    sizes = {"batch_size": batch_size, **({} if shard_size is None else {"shard_size": shard_size})}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r} must be a positive integer")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is a file, not a directory")
@@ -758,7 +761,7 @@ def harvest(
                              "shards": [], "complete": False}
             manifest.save()
         if manifest.data["rows"] is None or (not (out / WINDOWS).exists() and not manifest.data["complete"]):
-            rows = _stage_windows(_chain([first], windows), model, out / WINDOWS)
+            rows = _stage_windows(itertools.chain([first], windows), model, out / WINDOWS)
             if manifest.data["rows"] not in (None, rows):
                 raise RuntimeError(f"the corpus gave {rows} windows, the manifest says {manifest.data['rows']}")
             manifest.data["rows"] = rows
@@ -783,11 +786,6 @@ def harvest(
         _finish(out, manifest, plan)
     return HarvestSummary(out, names, rows, context_size, plan.shards, len(todo), time.perf_counter() - began,
                           stop_at_layer, engine, num_workers)
-
-
-def _chain(*iterables):
-    for iterable in iterables:
-        yield from iterable
 
 
 def _rows(plan: HarvestPlan, shard: int) -> int:

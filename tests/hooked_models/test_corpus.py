@@ -277,6 +277,8 @@ def test_harvest_errors_are_clear(tmp_path):
     cases = [
         (lambda: corpus.harvest(model, tokens, ["next_token_probs"], tmp_path / "a"), "has no position axis"),
         (lambda: corpus.harvest(model, tokens, [], tmp_path / "a"), "names is empty"),
+        (lambda: corpus.harvest(model, tokens, names, tmp_path / "a", shard_size=0), "shard_size=0 must be"),
+        (lambda: corpus.harvest(model, tokens, names, tmp_path / "a", batch_size=0), "batch_size=0 must be"),
         (lambda: corpus.harvest(model, tokens, names, tmp_path / "a", engine="spark"), "engine='spark'"),
         (lambda: corpus.harvest(model, tokens, names, tmp_path / "a", num_workers=2), "needs engine='ray'"),
         (lambda: corpus.harvest(model, tokens, names, tmp_path / "a", engine="ray"), "pass the checkpoint path"),
