@@ -1,6 +1,6 @@
 """The Ray engine of hooked_models/corpus.py on a local cluster (`ray.init(num_cpus=2)`, joined by the
-runs): its output is the local engine's bit for bit, and a worker killed mid-run is replaced with no
-shard missing or written twice."""
+runs, or started and stopped by one when none runs): its output is the local engine's bit for bit, and a
+worker killed mid-run is replaced with no shard missing or written twice."""
 
 import json
 import os
@@ -18,6 +18,20 @@ datasets = pytest.importorskip("datasets")
 
 from hooked_models import corpus  # noqa: E402
 from hooked_models.embedded.task import make_ioi_prompts  # noqa: E402
+
+
+def test_with_no_cluster_a_run_starts_one_and_stops_it(monkeypatch):
+    # The workers of a cluster the run starts inherit this process's environment (this checkout's PYTHONPATH).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray.is_initialized()
+    model = corpus.load_model("embedded")
+    ioi = make_ioi_prompts(4, 2, tokenizer=model.tokenizer)
+    pairs = {"clean": ioi.clean_tokens, "corrupted": ioi.corrupted_tokens, "answer": ioi.correct, "wrong": ioi.incorrect}
+    there = corpus.patch("embedded", pairs, "mlp_output", ("layer",), engine="ray")
+    assert not ray.is_initialized()
+    assert torch.equal(there.values, corpus.patch(model, pairs, "mlp_output", ("layer",)).values)
 
 
 @pytest.fixture(scope="module")
