@@ -252,6 +252,16 @@ class _Worker:
 
 
 # ------------------------------------------------------------------------------------------ inputs
+def _datasets():
+    """The `datasets` library (the corpus extra), imported when a corpus run needs it."""
+    try:
+        import datasets
+        import datasets.arrow_writer  # noqa: F401
+    except ImportError:
+        raise ImportError("corpus runs need the datasets library: pip install 'hooked_models[corpus]'") from None
+    return datasets
+
+
 def _column(names: Sequence[str], column: str | None, what: str) -> str:
     if column is not None:
         if column not in names:
@@ -266,7 +276,7 @@ def _column(names: Sequence[str], column: str | None, what: str) -> str:
 
 def _open_dataset(dataset):
     """A `datasets` dataset from a dataset object or the path of one saved with save_to_disk."""
-    import datasets
+    datasets = _datasets()
 
     if isinstance(dataset, (str, os.PathLike)):
         if not Path(dataset).is_dir():
@@ -490,8 +500,6 @@ class HarvestWorker(_Worker):
     under a temporary name and renamed into place (a killed worker leaves no partial shard)."""
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from datasets.arrow_writer import ArrowWriter
-
         plan, out = self.plan, Path(self.plan.out)
         device = next(self.model.parameters()).device
         done = []
@@ -499,7 +507,7 @@ class HarvestWorker(_Worker):
             start, stop = plan.shard_rows(shard)
             windows = read_windows(out / WINDOWS, start, stop, plan.context_size)
             temporary = out / ".tmp" / f"{shard_file(shard)}.{uuid.uuid4().hex}"
-            writer = ArrowWriter(features=plan.features, path=str(temporary))
+            writer = _datasets().arrow_writer.ArrowWriter(features=plan.features, path=str(temporary))
             try:
                 for first in range(0, len(windows), plan.batch_size):
                     tokens = torch.from_numpy(windows[first:first + plan.batch_size]).long().to(device)
@@ -544,9 +552,7 @@ class HarvestSummary:
         return run / self.seconds if self.seconds > 0 else 0.0
 
     def load(self):
-        import datasets
-
-        return datasets.load_from_disk(str(self.out))
+        return _datasets().load_from_disk(str(self.out))
 
     def __str__(self) -> str:
         layers = "all layers" if self.layers_run is None else f"layers 0-{self.layers_run - 1}"
@@ -589,14 +595,13 @@ def _layers_needed(model, names: tuple[str, ...], probe: Int[Tensor, "1 seq"]) -
 
 
 def _features(values: dict[str, Tensor], storage: str, context_size: int):
-    from datasets import Array2D, Features, Sequence, Value
-
+    datasets = _datasets()
     columns = {}
     for name, value in values.items():
         dtype = storage if value.is_floating_point() else "int64"
-        columns[name] = Array2D(shape=(context_size, value.shape[-1]), dtype=dtype)
-    columns["token_ids"] = Sequence(Value("int32"), length=context_size)
-    return Features(columns)
+        columns[name] = datasets.Array2D(shape=(context_size, value.shape[-1]), dtype=dtype)
+    columns["token_ids"] = datasets.Sequence(datasets.Value("int32"), length=context_size)
+    return datasets.Features(columns)
 
 
 class _Manifest:
@@ -795,8 +800,7 @@ def _rows(plan: HarvestPlan, shard: int) -> int:
 
 def _finish(out: Path, manifest: _Manifest, plan: HarvestPlan) -> None:
     """Write `datasets`' dataset_info.json and state.json over the shards, in order, and drop the staging."""
-    import datasets
-
+    datasets = _datasets()
     missing = [s for s in range(plan.shards) if s not in manifest.done or not (out / shard_file(s)).exists()]
     if missing:
         raise RuntimeError(f"shards {missing[:10]} of {out} are missing after the run")
