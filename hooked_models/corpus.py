@@ -141,7 +141,7 @@ def _resolve_model(model, family, dtype, engine: str):
         if dtype is not None and _dtype(dtype) != next(model.parameters()).dtype:
             raise ValueError(f"dtype={dtype} differs from the model's {next(model.parameters()).dtype}; "
                              "dtype applies when the model is loaded from a path")
-        return model.eval(), None
+        return model, None
     source = _model_source(model, family, dtype)
     # This process loads it too: to plan (shapes, tokenizer, fingerprint), and to run it for engine="local".
     return source.load(_default_device() if engine == "local" else "cpu"), source
@@ -153,7 +153,8 @@ def model_identity(model) -> dict:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         flat = tensor.detach().reshape(-1)
-        sample = flat[torch.linspace(0, flat.numel() - 1, min(1024, flat.numel())).long().to(flat.device)]
+        spaced = torch.linspace(0, flat.numel() - 1, min(1024, flat.numel()), dtype=torch.float64).long()
+        sample = flat[spaced.to(flat.device)]
         digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
         digest.update(sample.float().cpu().numpy().tobytes())
     return {"family": type(model).__name__, "config": _jsonable(model.cfg), "weights": digest.hexdigest()}
@@ -889,7 +890,8 @@ class PatchWorker(_Worker):
         result = activation_patch(self.model, rows["clean"], rows["corrupted"], metric, plan.value, plan.over,
                                   progress=False, **plan.options)
         return {"pairs": pairs, "values": result.values, "clean": result.clean_metric,
-                "corrupted": result.corrupted_metric, "grid": (result.axes, result.labels, result.value, result.direction)}
+                "corrupted": result.corrupted_metric,
+                "grid": (result.axes, result.labels, result.value, result.direction)}
 
 
 def _pair_columns(pairs, needed: Sequence[str]) -> dict[str, Tensor]:
@@ -973,7 +975,10 @@ def patch(
     columns = _pair_columns(pairs, needed)
     total, seq = columns["clean"].shape
     # Ray's workers load from the path (the driver needs no copy); locally this process runs the model.
-    worker_model = _model_source(model, family, dtype) if engine == "ray" else _resolve_model(model, family, dtype, engine)[0]
+    if engine == "ray":
+        worker_model = _model_source(model, family, dtype)
+    else:
+        worker_model, _ = _resolve_model(model, family, dtype, engine)
     plan = PatchPlan(value, None if over is None else tuple(over), metric, per_pair, options, torch.get_num_threads())
     items = [{"chunk": c, **{k: v[start:start + chunk_size].numpy() for k, v in columns.items()}}
              for c, start in enumerate(range(0, total, chunk_size))]

@@ -364,7 +364,8 @@ def test_logit_diff_reads_each_pairs_position():
                             for i, (a, w, p) in enumerate(zip(rows["answer"], rows["wrong"], rows["position"]))])
     assert torch.equal(corpus.logit_diff(logits, rows), expected)
     last = {k: v for k, v in rows.items() if k != "position"}
-    assert torch.equal(corpus.logit_diff(logits, last).mean(), patching.logit_diff_metric(last["answer"], last["wrong"])(logits))
+    mean = patching.logit_diff_metric(last["answer"], last["wrong"])(logits)
+    assert torch.equal(corpus.logit_diff(logits, last).mean(), mean)
 
 
 def test_patch_errors_are_clear():

@@ -28,7 +28,8 @@ def test_with_no_cluster_a_run_starts_one_and_stops_it(monkeypatch):
     assert not ray.is_initialized()
     model = corpus.load_model("embedded")
     ioi = make_ioi_prompts(4, 2, tokenizer=model.tokenizer)
-    pairs = {"clean": ioi.clean_tokens, "corrupted": ioi.corrupted_tokens, "answer": ioi.correct, "wrong": ioi.incorrect}
+    pairs = {"clean": ioi.clean_tokens, "corrupted": ioi.corrupted_tokens, "answer": ioi.correct,
+             "wrong": ioi.incorrect}
     there = corpus.patch("embedded", pairs, "mlp_output", ("layer",), engine="ray")
     assert not ray.is_initialized()
     assert torch.equal(there.values, corpus.patch(model, pairs, "mlp_output", ("layer",)).values)
