@@ -20,7 +20,7 @@ import torch
 import transformer_lens.patching as tl_patching
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from common import DTYPES, detect_family, make_task  # noqa: E402
+from common import detect_family, dtype_name, make_task  # noqa: E402
 
 from hooked_models import HookedAlphaEr, HookedArcee, patching  # noqa: E402
 
@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", type=dtype_name, default="float32")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -39,7 +39,7 @@ def main() -> None:
 
     family = "arcee" if args.model == "embedded" else detect_family(args.model)
     cls = HookedArcee if family == "arcee" else HookedAlphaEr
-    model = cls.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device).eval()
+    model = cls.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()
     task = make_task(model, args.prompts, seed=0)
     clean, corrupted = task.clean.to(args.device), task.corrupted.to(args.device)
     cells = model.cfg.n_layers * clean.shape[1]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from common import arguments, load_model, make_task
-from hooked_models import HookedAlphaEr, patching
+from hooked_models import patching
 
 # (value, axes, title): the experts, then each kind of bottleneck.
 SWEEPS = [
@@ -29,18 +29,16 @@ SWEEPS = [
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], "out/alpha_er_experts.png", family="alpha-er")
+    parser = arguments(__doc__.split("\n")[0], "out/alpha_er_experts.png", families=("alpha-er",))
     args = parser.parse_args()
+    start = time.perf_counter()
+    model = load_model(args)
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    start = time.perf_counter()
-    model = load_model(args)
-    if not isinstance(model, HookedAlphaEr):
-        parser.error(f"{args.model} is an {type(model).__name__} checkpoint; this script needs alpha-er")
     task = make_task(model, args.prompts, args.seed)
     seq = task.clean.shape[1]
     windows = model.layers[0].mlp.expert_index(seq)

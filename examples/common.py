@@ -14,20 +14,36 @@ from pathlib import Path
 import torch
 
 from hooked_models import HookedAlphaEr, HookedArcee
+from hooked_models.dtypes import DTYPE_NAMES, resolve_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FAMILIES = ("arcee", "alpha-er")
+CHECKPOINTS = {"arcee": "an HF Arcee directory (AFM-4.5B)", "alpha-er": "an alpha-er checkpoint (file or directory)"}
 
 
-def arguments(description: str, out: str, family: str = "arcee") -> argparse.ArgumentParser:
-    """The options every example takes: --model, --family, --device, --dtype, --out, --prompts, --seed."""
+def dtype_name(text: str) -> str:
+    """--dtype's check: a name hooked_models.dtypes accepts (float32, bfloat16, bf16, fp16, ...)."""
+    try:
+        resolve_dtype(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def arguments(description: str, out: str, families: tuple[str, ...] = FAMILIES) -> argparse.ArgumentParser:
+    """The options every example takes: --model, --device, --dtype, --out, --prompts, --seed, and --family
+    where the script runs more than one family (`families`; the first is the default)."""
     parser = argparse.ArgumentParser(description=description)
+    kinds = " or ".join(CHECKPOINTS[f] for f in families)
     parser.add_argument("--model", default="embedded",
-                        help="'embedded' (the shipped IOI model) or a checkpoint: an HF Arcee directory "
-                             "(AFM-4.5B) or an alpha-er checkpoint (file or directory); the family is detected")
-    parser.add_argument("--family", choices=("arcee", "alpha-er"), default=family,
-                        help="which embedded model --model embedded means (default: %(default)s)")
+                        help=f"'embedded' (the shipped IOI model) or a checkpoint: {kinds}"
+                             + ("; the family is detected" if len(families) > 1 else ""))
+    if len(families) > 1:
+        parser.add_argument("--family", choices=families, default=families[0],
+                            help="which embedded model --model embedded means (default: %(default)s)")
+    parser.set_defaults(family=families[0], families=families)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", type=dtype_name, default="float32", metavar="DTYPE",
+                        help=f"one of {', '.join(DTYPE_NAMES)} (default: %(default)s)")
     parser.add_argument("--out", default=out, help="where the heatmap PNG goes (default: %(default)s)")
     parser.add_argument("--prompts", type=int, default=32, help="clean/corrupted pairs (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -44,10 +60,13 @@ def detect_family(path: str | os.PathLike) -> str:
 
 
 def load_model(args: argparse.Namespace):
-    """The model --model names, on --device in --dtype, in eval mode."""
+    """The model --model names, on --device in --dtype, in eval mode; a family the script does not run
+    is refused before anything loads."""
     family = args.family if args.model == "embedded" else detect_family(args.model)
+    if family not in args.families:
+        raise SystemExit(f"{args.model} is {CHECKPOINTS[family]}; this script runs {' and '.join(args.families)} only")
     cls = HookedArcee if family == "arcee" else HookedAlphaEr
-    model = cls.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model = cls.from_pretrained(args.model, dtype=args.dtype, device=args.device)
     return model.eval()
 
 

@@ -2,6 +2,7 @@
 
 from transformer_lens.utilities import get_act_name
 
+from hooked_models.hooks import UnknownHookError
 from hooked_models.transformer_lens_compat import TransformerLensCache
 
 
@@ -24,7 +25,7 @@ class HookedActivationCache(TransformerLensCache):
         name = key[: -len(suffix)] if suffix else key
         if name not in self.model.hook_dict and name not in self.model.aliases and "." not in name:
             name = get_act_name(name)  # a TransformerLens shorthand such as "embed"
-        canonical, value = self.model.resolve_hook_name(name)
+        canonical, value = self._resolve(name)
         if canonical + suffix not in self.cache_dict:
             raise KeyError(
                 f"{key!r} (standard name {canonical + suffix!r}) is not in this cache; it holds "
@@ -32,6 +33,19 @@ class HookedActivationCache(TransformerLensCache):
             )
         tensor = self.cache_dict[canonical + suffix]
         return tensor if value is None else value.to_tl(tensor)
+
+    def _resolve(self, name: str):
+        """The model's resolution; a name under a value (a spliced SAE's `<value>.hook_sae_acts_post`)
+        resolves through the value's name, also once the SAE is gone from the model."""
+        try:
+            return self.model.resolve_hook_name(name)
+        except UnknownHookError as error:
+            parent, _, leaf = name.rpartition(".")
+            try:
+                canonical, _ = self.model.resolve_hook_name(parent)
+            except UnknownHookError:
+                raise error from None
+            return f"{canonical}.{leaf}", None
 
     def __contains__(self, key) -> bool:
         try:

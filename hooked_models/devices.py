@@ -1,4 +1,9 @@
-"""Spreading a model's layers over several devices, as TransformerLens's `n_devices` does.
+"""Devices: checking one a user names, and spreading a model's layers over several, as TransformerLens's
+`n_devices` does.
+
+`resolve_device` turns "cuda", "cuda:1", "mps" or a torch.device into a torch.device that exists here, or
+raises a ValueError naming it and the devices there are (torch's own errors for a missing backend are an
+AssertionError with no device list, or a failure deep inside the first copy).
 
 Layers go in contiguous groups: layer i of L on device i·n // L (TransformerLens's
 `utilities.multi_gpu.get_device_for_block_index`), the embeddings with the first layer, the final
@@ -16,6 +21,45 @@ import torch.nn as nn
 Device = torch.device | str
 
 
+def available_devices() -> list[str]:
+    """The devices torch can use here: cpu, then each visible CUDA device, then mps where there is one."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def resolve_device(device: Device) -> torch.device:
+    """`device` as a torch.device that exists on this machine; else a ValueError naming it and what there is."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a device name ({error}); available: "
+                         f"{', '.join(available_devices())}") from None
+    available = ", ".join(available_devices())
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} needs CUDA, but this torch ({torch.__version__}) sees no CUDA "
+                             f"device; available: {available}")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: {count} CUDA device(s) are visible "
+                             f"(cuda:0 to cuda:{count - 1}); available: {available}")
+    elif resolved.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(f"device {str(device)!r} needs Apple's MPS, which this machine does not have; "
+                             f"available: {available}")
+    elif resolved.type not in ("cpu", "meta"):
+        backend = getattr(torch, resolved.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(f"device {str(device)!r} is not available here; available: {available}")
+    return resolved
+
+
 def layer_device(index: int, num_layers: int, devices: Sequence[Device]) -> torch.device:
     """The device of layer `index`: contiguous groups, TransformerLens's rule."""
     return torch.device(devices[index * len(devices) // num_layers])
@@ -26,6 +70,9 @@ def cuda_devices(n_devices: int, device: Device | None = None) -> list[torch.dev
     if not isinstance(n_devices, int) or n_devices < 1:
         raise ValueError(f"n_devices must be a positive integer, got {n_devices!r}")
     first = torch.device(device if device is not None else "cuda")
+    if first.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"n_devices={n_devices} spreads layers over CUDA devices, but this torch sees none; "
+                         f"available: {', '.join(available_devices())}")
     if n_devices > 1 and first.type != "cuda":
         raise ValueError(f"n_devices={n_devices} spreads layers over CUDA devices, but device is {first}")
     if first.type != "cuda":

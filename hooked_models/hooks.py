@@ -43,12 +43,20 @@ class ValueHook(HookPoint):
     Every forward hook added here is checked when it returns: a write to a read-only value, or a
     replacement whose shape or dtype differs from the value's, raises an error that names the hook
     and both shapes (rather than failing later, deep inside a matmul).
+
+    `splice` (hooked_models/saes.py) is what the value is replaced with, an SAE, or None: the
+    HookPoint's forward runs it, so its hooks see, and the model reads on, the SAE's output.
     """
+
+    splice = None
 
     def __init__(self, value: Value | str):
         super().__init__()
         self.value = VALUES[value] if isinstance(value, str) else value
         self.pos_dim = self.value.seq_axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.splice is None else self.splice(x)
 
     def add_hook(self, hook, dir="fwd", is_permanent=False, level=None, prepend=False, alias_names=None):
         if dir == "fwd":
@@ -56,13 +64,14 @@ class ValueHook(HookPoint):
         return super().add_hook(hook, dir, is_permanent, level, prepend, alias_names)
 
     def has_hooks(self, dir="both", including_permanent=True, level=None) -> bool:
-        # Fast path for the forward's "is anyone looking?" checks.
+        # Fast path for the forward's "is anyone looking?" checks; a spliced SAE is a reader and a writer.
         if dir == "both" and including_permanent and level is None:
-            return bool(self.fwd_hooks or self.bwd_hooks)
+            return bool(self.fwd_hooks or self.bwd_hooks or self.splice is not None)
         return super().has_hooks(dir, including_permanent, level)
 
     def __repr__(self) -> str:
-        return f"-> {self.value.layout_text}: {self.value.meaning}"
+        spliced = "" if self.splice is None else f"; spliced: {type(self.splice.sae).__name__}"
+        return f"-> {self.value.layout_text}: {self.value.meaning}{spliced}"
 
 
 class _CheckedHook:
@@ -82,11 +91,25 @@ class _CheckedHook:
         return out
 
 
+# TransformerLens's hook names: second names the model resolves, never attributes of a module.
+_TL_HOOK_NAMES = frozenset(value.tl for value in VALUES.values() if value.tl)
+
+
 class HookedModule(nn.Module):
     """A module whose printout lists its standard values under its children, as the family page does:
 
         (attention_queries) -> Queries [batch num_heads seq qk_head_dim]: The queries entering attention
     """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # HookedSAETransformer.add_sae sets its wrapper at the hook's path; at a TransformerLens name
+        # that would register a module nothing calls, and the SAE would silently do nothing.
+        if isinstance(value, nn.Module) and name in _TL_HOOK_NAMES:
+            raise AttributeError(
+                f"{name!r} is a TransformerLens name, which the model resolves to a standard HookPoint "
+                f"(model.hook_dict); a module set here would never be called. Splice SAEs with model.add_sae, "
+                f"replace values through hooks")
+        super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         lines = []

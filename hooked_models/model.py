@@ -23,23 +23,33 @@ from transformer_lens.utilities import Slice
 
 from hooked_models.cache import HookedActivationCache
 from hooked_models.components.kv_cache import KeyValueCache
+from hooked_models.devices import resolve_device
+from hooked_models.dtypes import is_dtype_name, resolve_dtype
 from hooked_models.generation import GenerationMixin
 from hooked_models.hooks import HookedModule, UnknownHookError, ValueHook, check_hook_write
+from hooked_models.saes import SAEMixin
 from hooked_models.transformer_lens_compat import TransformerLensModel
-from hooked_models.vocabulary import Support, SupportRow, Value, tl_module_path
+from hooked_models.vocabulary import SYNONYMS, Support, SupportRow, Value, tl_module_path
+
+
+# Position axis marker for a spliced SAE's HookPoints: the axis after the batch, whatever their rank.
+_SECOND_AXIS = "second"
 
 
 class _AliasHook:
     """A user's hook added under a TransformerLens name: it sees that name and that layout,
-    and what it returns is mapped back to the standard layout."""
+    and what it returns is mapped back to the standard layout. (A HookPoint that carries no value,
+    a spliced SAE's, has one layout: the hook only sees the name.)"""
 
-    def __init__(self, fn: Callable, alias: str, value: Value):
+    def __init__(self, fn: Callable, alias: str, value: Value | None):
         self.fn, self.alias, self.value = fn, alias, value
 
     def __repr__(self) -> str:
         return repr(self.fn)
 
     def __call__(self, tensor: Tensor, *, hook: HookPoint):
+        if self.value is None:
+            return self.fn(tensor, hook=_AliasedHookPoint(self.alias, hook))
         given = self.value.to_tl(tensor)
         out = self.fn(given, hook=_AliasedHookPoint(self.alias, hook))
         if out is None:
@@ -49,9 +59,10 @@ class _AliasHook:
         return self.value.from_tl(out)
 
 
-class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
+class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule, HookedRootModule):
     """Shared root of HookedArcee and HookedAlphaEr; `generate` comes from hooked_models/generation.py,
-    TransformerLens's model surface from hooked_models/transformer_lens_compat.py.
+    TransformerLens's model surface from hooked_models/transformer_lens_compat.py, SAE splicing
+    (`add_sae`, `run_with_saes`, ...) from hooked_models/saes.py.
 
     A family builds its modules (`embed_tokens`, `layers`, `norm`, `lm_head`) and the root
     ValueHooks, calls `setup()`, and defines the two steps of the forward in which families differ:
@@ -92,6 +103,13 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             if tl_host is not None:
                 self.aliases[f"{tl_host}.{value.tl}" if tl_host else value.tl] = name
         self._tl_fallback_aliases()
+        # HookPoints under a value (a spliced SAE's) answer under each of its names too.
+        for name in self.standard_hook_dict:
+            parent, _, leaf = name.rpartition(".")
+            if not isinstance(self.standard_hook_dict.get(parent), ValueHook):
+                continue
+            for alias in [a for a, c in self.aliases.items() if c == parent]:
+                self.aliases[f"{alias}.{leaf}"] = name
         self._alias_names: dict[str, list[str]] = {}
         for alias, canonical in self.aliases.items():
             self._alias_names.setdefault(canonical, []).append(alias)
@@ -104,13 +122,14 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             return name, None
         if name in self.aliases:
             canonical = self.aliases[name]
-            value = self.standard_hook_dict[canonical].value
-            return canonical, value if value.tl_layout else None
+            value = getattr(self.standard_hook_dict[canonical], "value", None)
+            return canonical, value if value is not None and value.tl_layout else None
         raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
 
     def _name_hint(self, name: str) -> str:
-        """The nearest standard or TransformerLens names, compared with the layer index set aside, so
-        a typo in layer 3 suggests layer 3's names and a TransformerLens shorthand suggests its hook."""
+        """The values a name means: a synonym's (vocabulary.SYNONYMS: `pattern`, `resid_pre`,
+        `attentions_output`), else the nearest standard or TransformerLens names, compared with the layer
+        index set aside, so a typo in layer 3 suggests layer 3's names and a shorthand suggests its hook."""
         layered = re.compile(r"^(layers|blocks)\.(\d+)\.")
         names = list(self.hook_dict)
         num_layers = 1 + max((int(m.group(2)) for n in names if (m := layered.match(n))), default=-1)
@@ -119,6 +138,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         if match and int(match.group(2)) >= num_layers:
             return f": layer {match.group(2)} is out of range, the model has {num_layers} layers (0 to {num_layers - 1})"
         layer = match.group(2) if match else "0"
+        meant = self._synonym_names(name.rpartition(".")[2].removeprefix("hook_").lower(), layer)
+        if meant:
+            shown = [f"{n!r}" + (f" (TransformerLens {self._alias_names[n][0]!r})" if n in self._alias_names else "")
+                     for n in meant]
+            return f"; did you mean {' or '.join(shown)}?"
         query = layered.sub(r"\1.{i}.", name)
         close = difflib.get_close_matches(query, templates, n=3, cutoff=0.6)
         if not close and "." not in name:
@@ -128,9 +152,44 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         close = [c.replace("{i}", layer) for c in close]
         return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
+    def _synonym_names(self, word: str, layer: str) -> list[str]:
+        """Up to three names of the value a synonym means, those of `layer` where the value is per layer,
+        those TransformerLens also has first (a residual norm's scale before a bottleneck's)."""
+        for value_name in SYNONYMS.get(word, ()):
+            found = [n for n, point in self.standard_hook_dict.items()
+                     if getattr(point, "value", None) is not None and point.value.name == value_name
+                     and (not n.startswith("layers.") or n.startswith(f"layers.{layer}."))]
+            if found:
+                return sorted(found, key=lambda n: n not in self._alias_names)[:3]
+        return []
+
     def hook_names(self, name: str) -> list[str]:
         """Every name a HookPoint answers to: its standard name first, then its aliases."""
         return [name, *self._alias_names.get(name, [])]
+
+    def filter_matches(self, names_filter: Callable[[str], bool]) -> Callable[[str], str | None]:
+        """The rule for a filter on names (a `names_filter`, or a filter in `fwd_hooks` or `add_hook`).
+
+        A value answers to its standard name and to its TransformerLens names, and the filter is asked
+        about each. A filter that turns down a name no model has (an inclusion filter, such as
+        `lambda n: n.endswith("hook_z")`) selects a value if it accepts any of its names; a filter that
+        accepts such a name (an exclusion filter, such as `lambda n: not n.endswith("attention_scores")`)
+        selects it only if it accepts all of them. So a filter written in either naming selects the same
+        values: the other naming can neither add a value it excludes nor drop one it names.
+
+        Returns: standard name -> the name the value matched under (the standard name, or the
+        TransformerLens name an inclusion filter accepted first), or None.
+        """
+        excludes = bool(names_filter(""))  # "" is no model's name
+
+        def match(canonical: str) -> str | None:
+            names = self.hook_names(canonical)
+            accepted = [n for n in names if names_filter(n)]
+            if excludes:
+                return canonical if len(accepted) == len(names) else None
+            return accepted[0] if accepted else None
+
+        return match
 
     def _matching_points(self, name: str | Callable[[str], bool]):
         """(HookPoint, standard name, alias or None) for a name or a filter on names."""
@@ -138,15 +197,16 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             canonical, _ = self.resolve_hook_name(name)
             yield self.standard_hook_dict[canonical], canonical, (name if name != canonical else None)
             return
+        match = self.filter_matches(name)
         for canonical, point in self.standard_hook_dict.items():
-            matched = next((n for n in self.hook_names(canonical) if name(n)), None)
+            matched = match(canonical)
             if matched is not None:
                 yield point, canonical, (matched if matched != canonical else None)
 
     def _wrap_for_alias(self, hook: Callable, canonical: str, alias: str | None) -> Callable:
         if alias is None:
             return hook
-        return _AliasHook(hook, alias, self.standard_hook_dict[canonical].value)
+        return _AliasHook(hook, alias, getattr(self.standard_hook_dict[canonical], "value", None))
 
     # ----------------------------------------------------------------------------------- hooks
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:
@@ -163,9 +223,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
                           cache=None, pos_slice=None):
         """Hooks that store each selected value under its standard name.
 
-        `names_filter` may name values by standard or TransformerLens name; `pos_slice` slices each
-        value's own position axis, read from its layout. With no filter, every value is cached but
-        the on-request ones (per-head results), unless `set_use_attn_result(True)` asked for them.
+        `names_filter` is a name, a list of names (standard or TransformerLens), or a function of a name,
+        applied by `filter_matches`'s rule (an inclusion filter takes a value it accepts under any of its
+        names, an exclusion filter only one it accepts under all of them). `pos_slice` slices each value's
+        own position axis, read from its layout. With no filter, every value is cached but the on-request
+        ones (per-head results), unless `set_use_attn_result(True)` asked for them.
         """
         cache = {} if cache is None else cache
         pos_slice = Slice.unwrap(pos_slice)
@@ -178,13 +240,16 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         elif isinstance(names_filter, (list, tuple, set)):
             selected = {self.resolve_hook_name(n)[0] for n in names_filter}.__contains__
         elif callable(names_filter):
-            selected = lambda name: any(names_filter(n) for n in self.hook_names(name))  # noqa: E731
+            match = self.filter_matches(names_filter)
+            selected = lambda name: match(name) is not None  # noqa: E731
         else:
             raise ValueError(f"names_filter must be a name, a list of names or a function, not {names_filter!r}")
         self.is_caching = True
 
-        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | None):
+        def save(tensor: Tensor, hook: HookPoint, name: str, seq_axis: int | str | None):
             stored = tensor.detach()
+            if seq_axis == _SECOND_AXIS:  # a spliced SAE's [batch pos ...]
+                seq_axis = 1 - stored.ndim
             if device is not None:
                 stored = stored.to(device)
             if remove_batch_dim and stored.ndim > 0 and stored.shape[0] == 1:
@@ -197,7 +262,11 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         for name, point in self.standard_hook_dict.items():
             if not selected(name):
                 continue
-            seq_axis = point.value.seq_axis if isinstance(point, ValueHook) else None
+            if isinstance(point, ValueHook):
+                seq_axis = point.value.seq_axis
+            else:
+                parent = self.standard_hook_dict.get(name.rpartition(".")[0])
+                seq_axis = _SECOND_AXIS if isinstance(parent, ValueHook) else None
             fwd.append((name, partial(save, name=name, seq_axis=seq_axis)))
             if incl_bwd:
                 bwd.append((name, partial(save, name=name + "_grad", seq_axis=seq_axis)))
@@ -206,17 +275,47 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
     def run_with_cache(self, *model_args, names_filter=None, device=None, remove_batch_dim=False,
                        incl_bwd=False, reset_hooks_end=True, clear_contexts=False, pos_slice=None,
                        return_cache_object=True, **model_kwargs):
-        """Run the model and return (output, cache): an ActivationCache keyed by standard names."""
+        """Run the model and return (output, cache): an ActivationCache keyed by standard names.
+
+        `incl_bwd=True` also caches each value's gradient (`name + "_grad"`) by backpropagating what the
+        model returns, which must then be a scalar, as in TransformerLens:
+        `run_with_cache(tokens, return_type="loss", incl_bwd=True)`. For another metric, add backward hooks
+        (`run_with_hooks(..., bwd_hooks=...)`) or use `patching.attribution_patch`.
+        """
         cache_dict, fwd, bwd = self.get_caching_hooks(names_filter, incl_bwd, device, remove_batch_dim,
                                                       pos_slice=pos_slice)
         with self.hooks(fwd_hooks=fwd, bwd_hooks=bwd, reset_hooks_end=reset_hooks_end,
                         clear_contexts=clear_contexts):
             out = self(*model_args, **model_kwargs)
             if incl_bwd:
+                if not (isinstance(out, Tensor) and out.numel() == 1):
+                    got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+                    raise ValueError(
+                        f"incl_bwd=True backpropagates what the model returns, which must be a scalar, but it "
+                        f"returned {got}; pass return_type=\"loss\" (the mean next-token loss), as in "
+                        "TransformerLens: model.run_with_cache(tokens, return_type=\"loss\", incl_bwd=True)")
                 out.backward()
         if not return_cache_object:
             return out, cache_dict
         return out, HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
+    def to(self, *args, **kwargs):
+        """`nn.Module.to`, taking dtype names too ("bfloat16", "bf16", "fp16": hooked_models.dtypes) and
+        checking the device (a clear error for "cuda" without CUDA); `cfg.dtype` and `cfg.device` follow."""
+        args = [resolve_dtype(a) if isinstance(a, str) and is_dtype_name(a)
+                else resolve_device(a) if isinstance(a, (str, torch.device)) else a for a in args]
+        if kwargs.get("dtype") is not None:
+            kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+        if kwargs.get("device") is not None:
+            kwargs["device"] = resolve_device(kwargs["device"])
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        super().to(*args, **kwargs)
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None and dtype is not None:
+            cfg.dtype = dtype
+        if cfg is not None and device is not None:
+            cfg.device = device
+        return self
 
     # ----------------------------------------------------------------------------------- views
     def support(self) -> Support:
@@ -422,8 +521,7 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
         """Tokens and mask, checked: a clear ValueError for anything the model cannot run. Text is
         tokenized with `prepend_bos` (default True) and padded on `padding_side` (default "right")."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
-            tokens, mask = self.to_tokens(input, prepend_bos=True if prepend_bos is None else prepend_bos,
-                                          padding_side=padding_side or "right", return_mask=True)
+            tokens, mask = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side, return_mask=True)
             attention_mask = mask if attention_mask is None else attention_mask
             input = tokens
         if not isinstance(input, Tensor):
@@ -482,10 +580,15 @@ class HookedModel(GenerationMixin, TransformerLensModel, HookedModule, HookedRoo
             )
         return self.tokenizer
 
-    def to_tokens(self, input, prepend_bos: bool = True, padding_side: str = "right",
+    def to_tokens(self, input, prepend_bos: bool | None = True, padding_side: str | None = "right",
                   return_mask: bool = False, move_to_device: bool = True, truncate: bool = True):
-        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`."""
+        """Text -> token ids [batch seq], BOS first. A list of strings is padded on `padding_side`.
+        None means the default for either (as TransformerLens, whose callers pass None through)."""
         tokenizer = self._require_tokenizer()
+        prepend_bos = True if prepend_bos is None else prepend_bos
+        padding_side = padding_side or "right"
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
         texts = [input] if isinstance(input, str) else list(input)
         encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         bos = getattr(tokenizer, "bos_token_id", None)

@@ -19,7 +19,16 @@ component's stack entry is exactly its contribution to the norm's output, and th
 a full decomposition sum to the true logit (difference) on any weights. What no residual
 component carries (an unembedding bias, a final LayerNorm's bias, alpha-er's head-bottleneck
 bias) is `cache.readout_bias_attrs(...)`, the remaining term of that sum.
+
+Both TransformerLens majors are supported: 3.x (which SAELens requires) and 4.x. What differs is
+asked once, here (`TRANSFORMER_LENS_4`): 4.x ships the logit lens (`tools.analysis.logit_lens`), which
+3.x lacks, so there the package's own lens (hooked_models/logit_lens.py) answers `cache.logit_lens`.
+Everything else is written to run the same under both (per-head results and per-example logit
+attributions do not lean on the version's own, which differ).
 """
+
+import re
+from importlib.metadata import version
 
 import einops
 import torch
@@ -30,7 +39,13 @@ from transformer_lens import ActivationCache
 from transformer_lens.FactoredMatrix import FactoredMatrix
 from transformer_lens.utilities import Slice
 
-__all__ = ["FactoredMatrix", "TransformerLensCache", "TransformerLensModel", "per_head_in", "per_head_out"]
+__all__ = ["FactoredMatrix", "TRANSFORMER_LENS_4", "TRANSFORMER_LENS_VERSION", "TransformerLensCache",
+           "TransformerLensModel", "per_head_in", "per_head_out"]
+
+# The installed TransformerLens, (major, minor): the one place that asks.
+TRANSFORMER_LENS_VERSION: tuple[int, int] = tuple(
+    int(part) for part in re.match(r"(\d+)\.(\d+)", version("transformer_lens")).groups())
+TRANSFORMER_LENS_4 = TRANSFORMER_LENS_VERSION >= (4, 0)
 
 
 def per_head_in(weight: Float[Tensor, "heads_by_dim hidden_size"], heads: int) -> Tensor:
@@ -276,6 +291,11 @@ class TransformerLensCache(ActivationCache):
         block = self.model.blocks[layer]
         return block.ln2 if mlp_input else block.ln1
 
+    def compute_head_results(self) -> None:
+        """Per-head results into the cache where missing, from `hook_z` through each attention's own
+        `head_results` (TransformerLens 3.x multiplies z by W_O itself, which a factored W_O cannot do)."""
+        self._ensure_head_results()
+
     def _ensure_head_results(self) -> bool:
         # The attention's own head_results: z @ W_O per head, or a factored o_proj's frozen-scale terms.
         all_cached = True
@@ -327,13 +347,16 @@ class TransformerLensCache(ActivationCache):
                                                  mlp_input=False):
         """TransformerLens's fused path (normed neuron results projected, never materialized),
         with the norm's weight: (c(x) / s · w) @ p == (c(x) / s) @ (w p), c the centring if any."""
-        project = self._norm(layer, mlp_input).weight[:, None] * project_2d
+        from hooked_models.components import LayerNorm
+
+        norm = self._norm(layer, mlp_input)
+        project = norm.weight[:, None] * project_2d
         scale = self._get_cached_ln_scale(layer, mlp_input=mlp_input, pos_slice=pos_slice)
         parts = []
         for l in range(layer):
             w_out = neuron_slice.apply(self._dense_W_out(l), dim=0)
             linear = w_out @ project
-            if self._uses_ln_centering(layer):
+            if isinstance(norm, LayerNorm):  # a LayerNorm centres what it reads; an RMSNorm does not
                 linear = linear - w_out.mean(-1)[:, None] * project.sum(0)[None, :]
             acts = neuron_slice.apply(pos_slice.apply(self[("post", l, "mlp")], dim=-2), dim=-1)
             parts.append((acts / scale)[..., None] * linear)
@@ -361,15 +384,32 @@ class TransformerLensCache(ActivationCache):
         """TransformerLens's logit_attrs, divided by the readout's frozen scale (1 for a linear
         head; alpha-er's head-bottleneck LayerNorm scale). With `readout_bias_attrs` the
         attributions of a full decomposition sum to the logit (difference)."""
+        batch_slice = batch_slice if isinstance(batch_slice, Slice) else Slice(batch_slice)
+        if has_batch_dim and batch_slice.mode != "int" and residual_stack.ndim == 4:
+            # One token per example ([batch]) reads every position: [batch 1], which both majors
+            # broadcast over positions (3.x would broadcast a [batch] tensor over the batch instead).
+            tokens, incorrect_tokens = (self._per_example(t, residual_stack.shape[1])
+                                        for t in (tokens, incorrect_tokens))
         attrs = super().logit_attrs(residual_stack, tokens, incorrect_tokens, pos_slice, batch_slice, has_batch_dim)
         if self.model.readout_scale_name is None:
             return attrs
         return attrs / self.readout_scale(pos_slice, batch_slice)
 
+    @staticmethod
+    def _per_example(tokens, batch: int):
+        if isinstance(tokens, Tensor) and tokens.ndim == 1 and tokens.shape[0] == batch:
+            return tokens[:, None]
+        return tokens
+
     def logit_lens(self, **kwargs):
-        """TransformerLens's logit lens. A factored head (alpha-er) is read exactly: each entry goes
-        through the final norm, down and the bottleneck LayerNorm (statistics recomputed per
+        """TransformerLens's logit lens (4.x; on 3.x, which has none, hooked_models/logit_lens.py's,
+        with the same arguments and fields). A factored head (alpha-er) is read exactly: each entry
+        goes through the final norm, down and the bottleneck LayerNorm (statistics recomputed per
         entry, as TransformerLens's lens recomputes ln_final's), then `up`, as the model does."""
+        if not TRANSFORMER_LENS_4:
+            from hooked_models.logit_lens import logit_lens
+
+            return logit_lens(self, **kwargs)
         from transformer_lens.tools.analysis._model_state import require_eval_mode
         from transformer_lens.tools.analysis.logit_lens import logit_lens
 

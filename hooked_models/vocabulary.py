@@ -10,6 +10,7 @@ The standard names and layouts are those of the nnterp family page for Arcee
 alpha-er's bottlenecks) are declared in the same form: components here, families in their own file.
 """
 
+import html
 import re
 from dataclasses import dataclass, field
 
@@ -226,6 +227,48 @@ COMPONENT_VALUES = {
 STANDARD_VALUES: dict[str, Value] = {**MODEL_VALUES, **LAYER_VALUES, **ATTENTION_VALUES, **MLP_VALUES}
 VALUES: dict[str, Value] = {**STANDARD_VALUES, **COMPONENT_VALUES}
 
+# Everyday words for the values, TransformerLens's shorthands (`get_act_name`: pattern, attn, resid_pre, z,
+# q, ...), nnterp's accessors (layers_output, attentions_output, mlps_output, ...) and common spellings ->
+# the values they mean, in order of preference (a model suggests the first it has: `q` is TransformerLens's
+# pre-rotary hook_q where there is rotary). Unknown-name errors read it: "layers.0.self_attn.pattern"
+# suggests layer 0's attention_probabilities. A name's last part is looked up, less any "hook_".
+SYNONYMS: dict[str, tuple[str, ...]] = {}
+for _names, _words in [
+    (("attention_probabilities",), "pattern attn attn_pattern attention_pattern attn_weights attention_weights "
+                                   "attn_probs attention_probs attn_probabilities probs probabilities attentions"),
+    (("attention_scores",), "attn_scores scores attention_logits attn_logits pre_softmax"),
+    (("attention_raw_scores",), "raw_scores uncapped_scores"),
+    (("attention_queries_unrotated", "attention_queries"), "q"),
+    (("attention_keys_unrotated", "attention_keys"), "k"),
+    (("attention_queries",), "rot_q queries query"),
+    (("attention_keys",), "rot_k keys key"),
+    (("attention_values",), "v values value"),
+    (("attention_head_outputs",), "z heads head_outputs attn_heads"),
+    (("attention_head_results",), "result results head_results head_result"),
+    (("attention_output",), "attn_out attn_output attention_out attentions_output attn_outputs"),
+    (("attention_norm_output",), "attentions_input attn_in attention_input ln1"),
+    (("mlp_norm_output",), "ln2"),
+    (("layer_input",), "resid_pre layers_input layer_in residual_pre hidden_states resid residual"),
+    (("layer_mid",), "resid_mid residual_mid"),
+    (("layer_output",), "resid_post layers_output layer_out residual_post"),
+    (("mlp_input",), "mlps_input mlp_in"),
+    (("mlp_output",), "mlp_out mlps_output mlp mlp_outputs"),
+    (("mlp_pre_activation",), "pre mlp_pre pre_activation preact pre_act"),
+    (("mlp_activation",), "act activation act_fn"),
+    (("mlp_neurons",), "post mlp_post neurons mlp_hidden hidden"),
+    (("mlp_expert_index",), "expert experts expert_index routing"),
+    (("token_embeddings",), "embed embeddings tok_embed wte embed_tokens"),
+    (("position_embeddings",), "pos_embed pos_embeddings wpe embed_positions"),
+    (("norm_scale",), "scale"),
+    (("norm_normalized",), "normalized"),
+    (("final_norm_output",), "ln_final final_norm ln_f"),
+    (("lm_head_output", "logits"), "unembed lm_head"),
+    (("input_ids",), "tokens ids"),
+    (("attention_mask",), "mask"),
+]:
+    for _word in _words.split():
+        SYNONYMS[_word] = _names
+
 
 @dataclass
 class SupportRow:
@@ -240,7 +283,8 @@ class SupportRow:
 
 @dataclass
 class Support:
-    """What `model.support()` returns: the model's values by host, printable as a table."""
+    """What `model.support()` returns: the model's values by host, shown as a table wherever it is shown
+    (`print`, a prompt's echo, a Jupyter cell's output)."""
 
     rows: list[SupportRow] = field(default_factory=list)
 
@@ -267,4 +311,32 @@ class Support:
             for r in rows:
                 alias = f"  (TL: {r.tl_name})" if r.tl_name else ""
                 lines.append(f"  {r.name:<{width}}  {r.layout}  {r.meaning}; read at {r.read_at}{alias}")
+        return "\n".join(lines)
+
+    __repr__ = __str__  # what a prompt echoes: the table, not the dataclass's fields
+
+    _COLUMNS = ("name", "layout", "meaning", "read at", "TransformerLens")
+
+    def _cells(self, row: SupportRow) -> tuple[str, ...]:
+        return row.name, row.layout, row.meaning, row.read_at, row.tl_name or ""
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rendering: one table, a header row per host module."""
+        head = "".join(f"<th>{c}</th>" for c in self._COLUMNS)
+        body = []
+        for module, rows in self.by_host().items():
+            span = len(self._COLUMNS)
+            body.append(f'<tr><th colspan="{span}" style="text-align:left">{html.escape(module)}</th></tr>')
+            for row in rows:
+                cells = (f"<code>{html.escape(c)}</code>" if i in (0, 4) and c else html.escape(c)
+                         for i, c in enumerate(self._cells(row)))
+                body.append("<tr>" + "".join(f'<td style="text-align:left">{c}</td>' for c in cells) + "</tr>")
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+    def _repr_markdown_(self) -> str:
+        """The same table in Markdown (for frontends that render Markdown rather than HTML)."""
+        lines = ["| module | " + " | ".join(self._COLUMNS) + " |", "|---" * (len(self._COLUMNS) + 1) + "|"]
+        for row in self.rows:
+            cells = (row.module, *self._cells(row))
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines)

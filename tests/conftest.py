@@ -145,3 +145,10 @@ def tl_model_factory():
 @pytest.fixture
 def tl_model(tl_family):
     return make_tl_family_model(tl_family)
+
+
+@pytest.fixture(scope="session")
+def tiny_factories():
+    """The builders of the tiny random references (transformers' Arcee, the alpha-er transcription),
+    for module-scoped fixtures that build their own copies."""
+    return make_hf_arcee, make_reference_alpha_er

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from hooked_models.devices import resolve_device
+from hooked_models.dtypes import resolve_dtype
 from hooked_models.families.alpha_er import REFERENCE_FIELDS, AlphaErConfig, HookedAlphaEr
 from weight_conversion.checkpoint import (
     CheckpointError,
@@ -159,8 +161,9 @@ def _reference_cfg_fields(cfg) -> dict:
         return {name: getattr(cfg, name) for name in REFERENCE_FIELDS if hasattr(cfg, name)}
 
 
-def load_from_reference(module: nn.Module, dtype: torch.dtype | None = None, device=None) -> HookedAlphaEr:
+def load_from_reference(module: nn.Module, dtype: torch.dtype | str | None = None, device=None) -> HookedAlphaEr:
     """From an in-memory module with the reference's parameter names and `cfg`; the weights are copied."""
+    dtype, device = resolve_dtype(dtype), None if device is None else resolve_device(device)
     if not hasattr(module, "cfg"):
         raise CheckpointError(f"{type(module).__name__} has no `cfg` with the reference config's fields")
     fields = _reference_cfg_fields(module.cfg)
@@ -223,10 +226,11 @@ def _tensors(file: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
         yield str(file), name, tensor
 
 
-def load_alpha_er_checkpoint(path, dtype: torch.dtype | None = None, device=None) -> HookedAlphaEr:
+def load_alpha_er_checkpoint(path, dtype: torch.dtype | str | None = None, device=None) -> HookedAlphaEr:
     """From a safetensors file (config in its header or a config.json beside it), a torch state-dict
     file with a config.json beside it, or a directory holding one of them. Tokenizer files beside
     the weights (tokenizer.json, ...) become `model.tokenizer`."""
+    dtype, device = resolve_dtype(dtype), None if device is None else resolve_device(device)
     file = _weight_file(Path(path))
     if file.suffix != ".safetensors" and file.suffix not in _TORCH_SUFFIXES:
         raise CheckpointError(f"{file} is neither .safetensors nor a torch file ({', '.join(_TORCH_SUFFIXES)})")
@@ -235,7 +239,7 @@ def load_alpha_er_checkpoint(path, dtype: torch.dtype | None = None, device=None
     except CheckpointError as error:  # name the file, whichever of its fields was at fault
         raise CheckpointError(error if str(file) in str(error) else f"{file}: {error}") from None
     model = _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu")
-    model.tokenizer = load_tokenizer(file.parent)
+    model.tokenizer = load_tokenizer(file.parent, foreign_config=True)
     return model
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hooked_models.devices import cuda_devices, parameter_placement, spread_layers
+from hooked_models.devices import cuda_devices, parameter_placement, resolve_device, spread_layers
+from hooked_models.dtypes import dtype_name, resolve_dtype
 from hooked_models.components.rotary import ROPE_TYPES, RopeConfig
 from hooked_models.families.arcee import ArceeConfig, HookedArcee
 from weight_conversion.checkpoint import (
@@ -44,9 +45,6 @@ _IGNORED_FIELDS = {
 _SHAPE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}
 _ROPE_FIELDS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
                 "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def convert_arcee_config(hf: dict) -> ArceeConfig:
     """A transformers Arcee config (config.json as a dict) -> ArceeConfig.
@@ -91,8 +89,15 @@ def convert_arcee_config(hf: dict) -> ArceeConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
-        dtype=_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32),
+        dtype=_config_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
     )
+
+
+def _config_dtype(name) -> torch.dtype:
+    try:
+        return resolve_dtype(name)
+    except ValueError as error:
+        raise CheckpointError(f"dtype: {error}") from None
 
 
 def _check_sizes(hf: dict) -> None:
@@ -198,7 +203,7 @@ def hf_config_dict(cfg: ArceeConfig) -> dict:
             value = getattr(cfg.rope, field)
             if value is not None:
                 rope[field] = value
-    dtype = {v: k for k, v in _DTYPES.items()}.get(cfg.dtype, "float32")
+    dtype = dtype_name(cfg.dtype)
     return {
         "architectures": ["ArceeForCausalLM"], "model_type": "arcee", "hidden_act": "relu2",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -215,6 +220,12 @@ def hf_config_dict(cfg: ArceeConfig) -> dict:
 def _build_on_meta(cfg: ArceeConfig) -> HookedArcee:
     with torch.device("meta"):
         return HookedArcee(cfg)
+
+
+def _checked_device(device, n_devices: int | None):
+    """One device, checked to exist (a clear error for "cuda" without CUDA); with n_devices, `device`
+    is the first GPU and `cuda_devices` checks the range."""
+    return resolve_device(device) if device is not None and n_devices is None else device
 
 
 def _placement(cfg: ArceeConfig, device, n_devices: int | None):
@@ -234,10 +245,11 @@ def _finish(model: HookedArcee, dtype: torch.dtype, device, devices=None) -> Hoo
     return model.eval()
 
 
-def load_from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None,
+def load_from_hf_model(hf_model, dtype: torch.dtype | str | None = None, device=None,
                        n_devices: int | None = None) -> HookedArcee:
     """From an in-memory `ArceeForCausalLM`; the weights are copied. `n_devices` spreads the layers
     over that many GPUs from `device` (cuda:0 by default), as TransformerLens does."""
+    dtype, device = resolve_dtype(dtype), _checked_device(device, n_devices)
     cfg = convert_arcee_config(hf_model.config.to_dict())
     first = next(hf_model.parameters())
     dtype = dtype or first.dtype
@@ -251,10 +263,11 @@ def load_from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None,
     return _finish(model, dtype, device, devices)
 
 
-def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | None = None, device=None,
+def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | str | None = None, device=None,
                           progress: bool | None = None, n_devices: int | None = None) -> HookedArcee:
     """From an HF directory: config.json, safetensors shards (or a weights-only pickle), tokenizer.
     With `n_devices`, each tensor streams straight to its layer's GPU."""
+    dtype, device = resolve_dtype(dtype), _checked_device(device, n_devices)
     directory = resolve_checkpoint_dir(path_or_id)
     config_path = directory / "config.json"
     config = read_json(config_path)

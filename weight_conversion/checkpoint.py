@@ -183,13 +183,18 @@ def count_nonfinite(tensor: torch.Tensor, chunk: int = 1 << 24) -> int:
     return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
-def load_tokenizer(directory: Path):
-    """The tokenizer whose files sit in `directory` (tokenizer.json, ...), else None. Offline."""
+def load_tokenizer(directory: Path, foreign_config: bool = False):
+    """The tokenizer whose files sit in `directory` (tokenizer.json, ...), else None. Offline.
+
+    `foreign_config`: a config.json there is not a transformers model's (alpha-er's), so transformers
+    must not read it: it would warn that it is "using a model of type alpha-er to instantiate a model of
+    type ..." (the tokenizer's own files say what it is)."""
     if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
 
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    extra = {"config": PretrainedConfig()} if foreign_config else {}
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **extra)
 
 
 def rename_state_dict(state: dict[str, torch.Tensor], rename: Callable[[str], str], family: str,

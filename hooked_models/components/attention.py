@@ -151,7 +151,8 @@ class SelfAttention(HookedModule):
         if hasattr(self.o_proj, "head_results"):
             return self.o_proj.head_results(premix, output)
         w = self.o_proj.weight.view(-1, self.num_heads, self.head_dim)
-        return torch.einsum("bshd,mhd->bshm", premix, w)
+        # Contiguous, so that summing a written copy over heads reduces in the order a plain tensor does.
+        return torch.einsum("bshd,mhd->bshm", premix, w).contiguous()
 
     def out_bias(self) -> Tensor | float:
         if hasattr(self.o_proj, "out_bias"):

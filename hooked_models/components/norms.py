@@ -15,8 +15,9 @@ class RMSNorm(HookedModule):
 
     The arithmetic is transformers' `LlamaRMSNorm`, step for step (float32, multiply by `rsqrt`,
     cast, then the weight), so the output is transformers' bit for bit in every dtype, hooked or
-    not: a hook that reads the scale leaves the numbers as they were. A hook that writes the scale
-    makes the normalized value x / (the written scale), TransformerLens's meaning of `hook_scale`.
+    not: a hook that reads the scale leaves the numbers as they were. Where a hook writes the scale,
+    the normalized value is x / (the written scale), TransformerLens's meaning and arithmetic of
+    `hook_scale`, exactly.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -29,13 +30,15 @@ class RMSNorm(HookedModule):
     def forward(self, x: Float[Tensor, "batch seq hidden_size"]) -> Float[Tensor, "batch seq hidden_size"]:
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True) + self.eps
-        inverse = torch.rsqrt(variance)
+        normalized = x32 * torch.rsqrt(variance)
         if self.norm_scale.has_hooks():
-            # scale / hooked scale is exactly 1 unless a hook wrote it (the hook gets its own tensor,
-            # so an in-place write counts too); multiplying by 1 changes no bit.
+            # Where the hook left the scale as it was, the reference's arithmetic stands (no bit
+            # changes); where it wrote one, TransformerLens's: x / scale. The hook gets its own
+            # tensor, so an in-place write counts too.
             scale = variance.sqrt()
-            inverse = inverse * (scale / self.norm_scale(scale.clone()))
-        return self.weight * self.norm_normalized((x32 * inverse).to(x.dtype))
+            written = self.norm_scale(scale.clone())
+            normalized = torch.where(written == scale, normalized, x32 / written)
+        return self.weight * self.norm_normalized(normalized.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -48,12 +51,12 @@ class LayerNorm(HookedModule):
     rank-r bottlenecks alike; `normalized` is the Value its normalized output carries (a norm on a
     bottleneck declares one with the bottleneck's layout).
 
-    The output is always torch's fused `layer_norm` (what the reference's `nn.LayerNorm` runs), so
-    it is the reference's bit for bit whether hooked or not. When a hook reads or writes the scale
-    or the normalized value, both are also computed written out (float32 statistics) for the hooks,
-    and what a hook writes is carried into the output: a normalized value a hook returns becomes
-    written · weight + bias; a scale written, or a normalized value edited in place, moves the
-    output by (written normalized - computed normalized) · weight, exactly zero when hooks only read.
+    The output is torch's fused `layer_norm` (what the reference's `nn.LayerNorm` runs), so it is
+    the reference's bit for bit whether hooked or not. When a hook reads or writes the scale or the
+    normalized value, both are also computed written out (float32 statistics) for the hooks, and
+    what a hook writes is carried into the output with TransformerLens's arithmetic: wherever the
+    normalized value differs from the computed one (written, edited in place, or divided by a
+    written scale), the output is written · weight + bias; elsewhere it stays the fused output.
     """
 
     def __init__(self, size: int, eps: float, normalized: Value | str = "norm_normalized"):
@@ -75,9 +78,7 @@ class LayerNorm(HookedModule):
         # The hooks get tensors of their own, so an in-place write is a write too.
         given = (centred / self.norm_scale(scale.clone())).to(x.dtype)
         written = self.norm_normalized(given)
-        if written is not given:  # a replacement: TransformerLens's arithmetic on it, exactly
-            return written * self.weight + self.bias
-        return output + (written - computed) * self.weight
+        return torch.where(written == computed, output, written * self.weight + self.bias)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -63,7 +63,7 @@ class AlphaErConfig(TransformerLensFields):
     attn_rank: int = 128
     attn_soft_cap: float = 30.0
     layer_norm_eps: float = 1e-5
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = torch.float32  # or a name ("bfloat16", "bf16"): hooked_models.dtypes
     device: str | torch.device = "cpu"
     model_name: str = "alpha-er"
 
@@ -235,18 +235,22 @@ class HookedAlphaEr(HookedModel):
                                 **options)
 
     @classmethod
-    def from_reference(cls, module: nn.Module, dtype: torch.dtype | None = None, device=None) -> "HookedAlphaEr":
+    def from_reference(cls, module: nn.Module, dtype: torch.dtype | str | None = None, device=None) -> "HookedAlphaEr":
         """From an in-memory module with the reference's parameter names and a `cfg` with its fields
-        (the weights are copied)."""
+        (the weights are copied). `dtype` is a torch dtype or a name ("bfloat16", "bf16", "fp16":
+        hooked_models.dtypes); `device` must exist here ("cuda" without CUDA is a ValueError naming
+        the devices there are)."""
         from weight_conversion.alpha_er import load_from_reference
 
         return load_from_reference(module, dtype=dtype, device=device)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "HookedAlphaEr":
+    def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None) -> "HookedAlphaEr":
         """From a checkpoint: a safetensors file whose header metadata carries the config fields (or
         with a config.json beside it), a torch state-dict file with a config.json beside it, or a
-        directory holding either.
+        directory holding either. `dtype` is a torch dtype or a name ("bfloat16", "bf16", "fp16":
+        hooked_models.dtypes); `device` must exist here ("cuda" without CUDA is a ValueError naming
+        the devices there are).
 
         `"embedded"` names the small IOI model shipped in the package (`hooked_models.embedded`), a
         safetensors file with its config in the header, loaded by the same code."""

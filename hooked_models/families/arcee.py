@@ -54,7 +54,7 @@ class ArceeConfig(TransformerLensFields):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = torch.float32  # or a name ("bfloat16", "bf16"): hooked_models.dtypes
     device: str | torch.device = "cpu"
     model_name: str = "arcee"
 
@@ -157,22 +157,26 @@ class HookedArcee(HookedModel):
                                kv_cache=past_kv_cache)
 
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype | None = None, device=None,
+    def from_hf(cls, hf_model, dtype: torch.dtype | str | None = None, device=None,
                 n_devices: int | None = None) -> "HookedArcee":
         """From an in-memory transformers `ArceeForCausalLM` (its weights are copied). `n_devices`
-        spreads the layers over that many GPUs in contiguous groups, as TransformerLens does."""
+        spreads the layers over that many GPUs in contiguous groups, as TransformerLens does. `dtype`
+        is a torch dtype or a name ("bfloat16", "bf16", "fp16": hooked_models.dtypes); `device` must
+        exist here ("cuda" without CUDA is a ValueError naming the devices there are)."""
         from weight_conversion.arcee import load_from_hf_model
 
         return load_from_hf_model(hf_model, dtype=dtype, device=device, n_devices=n_devices)
 
     @classmethod
-    def from_pretrained(cls, path_or_id: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
+    def from_pretrained(cls, path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = None, device=None,
                         progress: bool | None = None, n_devices: int | None = None) -> "HookedArcee":
         """From an HF checkpoint directory (config.json, one or many safetensors shards, tokenizer),
         or a Hub id already in the local HF cache (offline). Streams shard by shard into a model
         built on the meta device, so peak memory stays near one copy of the weights. `n_devices`
         spreads the layers over cuda:0..n-1 (from `device`) in contiguous groups, as TransformerLens
-        does; the residual stream moves between them.
+        does; the residual stream moves between them. `dtype` is a torch dtype or a name ("bfloat16",
+        "bf16", "fp16": hooked_models.dtypes); `device` must exist here ("cuda" without CUDA is a
+        ValueError naming the devices there are).
 
         `"embedded"` names the small IOI model shipped in the package (`hooked_models.embedded`),
         an HF directory loaded by the same code."""

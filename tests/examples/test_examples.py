@@ -133,3 +133,53 @@ def test_a_model_with_its_own_tokenizer_gets_text_ioi_prompts(hf_arcee_factory, 
     # The clean answer is the name said once, which the corrupted prompt repeats instead.
     assert torch.equal(task.corrupted[:, 11], task.correct) and not torch.equal(task.clean[:, 11], task.correct)
     assert task.read_at == 15
+
+
+def test_alpha_er_experts_offers_only_what_it_runs(tmp_path, hf_arcee_factory, run_in_process, capsys):
+    """The script runs alpha-er only: it has no --family to choose Arcee with, says so in --help, and refuses
+    an Arcee checkpoint by name before loading it. Every example takes dtype names (bf16, fp16)."""
+    from hooked_models import HookedArcee
+
+    with pytest.raises(SystemExit):
+        run_in_process("alpha_er_experts.py", "--help")
+    usage = capsys.readouterr().out
+    assert "--family" not in usage and "alpha-er checkpoint" in usage and "Arcee" not in usage
+    with pytest.raises(SystemExit):
+        run_in_process("alpha_er_experts.py", "--family", "arcee")
+    assert "unrecognized arguments: --family arcee" in capsys.readouterr().err
+    HookedArcee.from_hf(hf_arcee_factory()).save_pretrained(str(tmp_path / "arcee"))
+    with pytest.raises(SystemExit, match="is an HF Arcee directory .*; this script runs alpha-er only"):
+        run_in_process("alpha_er_experts.py", "--model", str(tmp_path / "arcee"))
+    with pytest.raises(SystemExit):
+        run_in_process("activation_patching.py", "--dtype", "int8")
+    assert "argument --dtype: dtype 'int8' is not a floating-point dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_in_process("head_patching.py", "--help")
+    assert "--family {arcee,alpha-er}" in capsys.readouterr().out
+
+
+def test_an_example_runs_in_a_named_dtype(tmp_path, run_in_process):
+    stdout = run_in_process("head_patching.py", "--dtype", "bf16", "--prompts", "4", "--out", str(tmp_path / "h.png"))
+    assert "2 key/value heads" in stdout
+    assert_png(tmp_path / "h.png")
+
+
+def test_train_sae_trains_evaluates_and_reads_features(tmp_path, run_in_process):
+    """SAELens's runner trains on the embedded model, its evals and the spliced SAE report sensible figures."""
+    pytest.importorskip("sae_lens", reason="train_sae.py needs SAELens (pip install -e '.[sae]')")
+    import re
+
+    from sae_lens import StandardSAE
+
+    stdout = run_in_process("train_sae.py", "--tokens", "16384", "--d-sae", "128", "--features", "3",
+                            "--save", str(tmp_path / "sae"), "--out", str(tmp_path / "sae.png"))
+    numbers = {k: float(v) for k, v in re.findall(r"([a-z][a-z ]+?) (-?\d+\.\d+)", stdout)}
+    assert numbers["explained variance"] > 0.9, stdout
+    ce = re.search(r"next-token loss: ([\d.]+) without the SAE, ([\d.]+) with it, ([\d.]+) with the value zeroed",
+                   stdout)
+    without, with_sae, zeroed = map(float, ce.groups())
+    assert without < with_sae < zeroed and (zeroed - with_sae) > 0.8 * (zeroed - without), stdout
+    assert len(re.findall(r"^  feature \d+ +fires on", stdout, flags=re.M)) == 3
+    sae = StandardSAE.load_from_disk(str(tmp_path / "sae"))
+    assert sae.cfg.d_sae == 128 and sae.cfg.metadata.hook_name == "blocks.1.hook_resid_pre"
+    assert_png(tmp_path / "sae.png")

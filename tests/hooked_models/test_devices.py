@@ -88,3 +88,37 @@ def test_two_gpus_match_one(tmp_path, hf_arcee_factory):
         torch.testing.assert_close(two(ids).cpu(), one(ids).cpu())
     from_hf = HookedArcee.from_hf(hf, n_devices=2)
     assert from_hf.layers[0].self_attn.q_proj.weight.device == torch.device("cuda", 0)
+
+
+# ------------------------------------------------------------------------- a device that is not there
+UNAVAILABLE = [
+    # (device, CUDA available, CUDA devices, MPS available, the error)
+    ("cuda", False, 0, False, r"device 'cuda' needs CUDA, but this torch \(.*\) sees no CUDA device; available: cpu$"),
+    ("cuda:3", True, 1, False, r"device 'cuda:3' does not exist: 1 CUDA device\(s\) are visible \(cuda:0 to cuda:0\); "
+                               r"available: cpu, cuda:0$"),
+    ("mps", True, 2, False, r"device 'mps' needs Apple's MPS, which this machine does not have; "
+                            r"available: cpu, cuda:0, cuda:1$"),
+    ("gpu", False, 0, False, r"device 'gpu' is not a device name \(.*\); available: cpu$"),
+]
+
+
+@pytest.mark.parametrize("device, cuda, count, mps, message", UNAVAILABLE, ids=[u[0] for u in UNAVAILABLE])
+def test_an_unavailable_device_is_a_clear_error(monkeypatch, tiny_hf_arcee, reference_alpha_er_factory, device, cuda,
+                                                count, mps, message):
+    """On this CPU machine with torch's CUDA and MPS probes answering as given: every loader and `to`
+    refuses the device with its name and the devices there are, before touching the weights."""
+    from hooked_models import HookedAlphaEr
+
+    model = HookedArcee.from_hf(tiny_hf_arcee)
+    reference = reference_alpha_er_factory()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    for load in (lambda: HookedArcee.from_pretrained("embedded", device=device),
+                 lambda: HookedArcee.from_hf(tiny_hf_arcee, device=device),
+                 lambda: HookedAlphaEr.from_pretrained("embedded", device=device),
+                 lambda: HookedAlphaEr.from_reference(reference, device=device),
+                 lambda: model.to(device)):
+        with pytest.raises(ValueError, match=message):
+            load()
+    assert model.cfg.device == torch.device("cpu") and model.embed_tokens.weight.device.type == "cpu"

@@ -77,3 +77,34 @@ def test_alpha_er_is_the_reference_bit_for_bit_in_half_precision(reference_alpha
         expected = reference(ids)
         assert torch.equal(model(ids), expected)
         assert torch.equal(model.run_with_cache(ids)[0], expected)
+
+
+# ------------------------------------------------------------------------------------- dtype names
+@pytest.mark.parametrize("name, dtype", [("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16),
+                                         ("fp16", torch.float16), ("float16", torch.float16),
+                                         ("torch.float32", torch.float32), ("FP32", torch.float32),
+                                         (torch.bfloat16, torch.bfloat16)])
+def test_dtype_names_are_taken_wherever_a_dtype_is(tiny_hf_arcee, reference_alpha_er_factory, name, dtype):
+    from hooked_models import ArceeConfig, HookedAlphaEr
+
+    models = [HookedArcee.from_pretrained("embedded", dtype=name), HookedArcee.from_hf(tiny_hf_arcee, dtype=name),
+              HookedAlphaEr.from_pretrained("embedded", dtype=name),
+              HookedAlphaEr.from_reference(reference_alpha_er_factory(), dtype=name),
+              HookedArcee(ArceeConfig(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                                      vocab_size=11, intermediate_size=8, max_position_embeddings=16, dtype=name))]
+    moved = HookedArcee.from_hf(tiny_hf_arcee).to(name)  # nn.Module.to, with names
+    for model in [*models, moved]:
+        assert {p.dtype for p in model.parameters()} == {dtype} and model.cfg.dtype == dtype
+    with torch.no_grad():  # the model runs in it
+        assert moved(torch.tensor([[1, 2, 3]])).dtype == dtype
+
+
+@pytest.mark.parametrize("bad", ["int8", "bfloat", torch.int64, "cuda"])
+def test_a_bad_dtype_is_a_clear_error_listing_the_names(tiny_hf_arcee, bad):
+    from hooked_models import HookedAlphaEr
+
+    for load in (lambda: HookedArcee.from_pretrained("embedded", dtype=bad),
+                 lambda: HookedArcee.from_hf(tiny_hf_arcee, dtype=bad),
+                 lambda: HookedAlphaEr.from_pretrained("embedded", dtype=bad)):
+        with pytest.raises(ValueError, match=rf"dtype {bad!r} is not a floating-point dtype.*'bfloat16', 'bf16'"):
+            load()

@@ -250,6 +250,48 @@ def test_an_unknown_name_suggests_the_nearest(model, name, suggestion):
         assert_clean(model)
 
 
+# Everyday words (TransformerLens's shorthands, nnterp's accessors, common spellings), bare and at a
+# layer: (word, value it means, where the value sits under layers.{i}).
+SYNONYM_CASES = [
+    ("pattern", "self_attn.attention_probabilities"), ("attn_pattern", "self_attn.attention_probabilities"),
+    ("attention_pattern", "self_attn.attention_probabilities"), ("attn_scores", "self_attn.attention_scores"),
+    ("scores", "self_attn.attention_scores"), ("resid_pre", "layer_input"), ("resid_mid", "layer_mid"),
+    ("resid_post", "layer_output"), ("mlp_out", "mlp.mlp_output"), ("attn_out", "self_attn.attention_output"),
+    ("attentions_output", "self_attn.attention_output"), ("mlps_output", "mlp.mlp_output"),
+    ("layers_output", "layer_output"), ("layers_input", "layer_input"), ("q", "self_attn.attention_queries_unrotated"),
+    ("k", "self_attn.attention_keys_unrotated"), ("rot_q", "self_attn.attention_queries"),
+    ("v", "self_attn.attention_values"), ("z", "self_attn.attention_head_outputs"),
+    ("hook_z", "self_attn.attention_head_outputs"),
+    ("result", "self_attn.attention_head_results"), ("pre", "mlp.mlp_pre_activation"), ("post", "mlp.mlp_neurons"),
+    ("neurons", "mlp.mlp_neurons"),
+]
+
+
+@pytest.mark.parametrize("form", ["{word}", "layers.1.self_attn.{word}", "blocks.1.{word}"])
+@pytest.mark.parametrize("word, value", SYNONYM_CASES, ids=[c[0] for c in SYNONYM_CASES])
+def test_a_synonym_suggests_the_value_it_means(model, word, value, form):
+    layer = "0" if form == "{word}" else "1"
+    name = form.format(word=word)
+    with pytest.raises(UnknownHookError) as info:
+        model.resolve_hook_name(name)
+    assert f"did you mean 'layers.{layer}.{value}'" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name, suggestion", [
+    ("q", "'layers.0.self_attn.attention_queries' (TransformerLens 'blocks.0.attn.hook_rot_q')"),  # no rotary
+    ("pos_embed", "'position_embeddings'"),
+    ("layers.1.experts", "'layers.1.mlp.mlp_expert_index'"),
+    ("raw_scores", "'layers.0.self_attn.score_mod.attention_raw_scores'"),
+    ("unembed", "'lm_head_output'"),
+    ("scale", "'layers.0.input_layernorm.norm_scale' (TransformerLens 'blocks.0.ln1.hook_scale') or "
+              "'layers.0.post_attention_layernorm.norm_scale'"),
+])
+def test_alpha_er_synonyms_suggest_its_values(alpha_er, name, suggestion):
+    with pytest.raises(UnknownHookError) as info:
+        alpha_er.resolve_hook_name(name)
+    assert suggestion in str(info.value), str(info.value)
+
+
 ALPHA_ER_WRITES = [
     ("layers.0.self_attn.qkv_proj.bottleneck", lambda x, hook: x[..., :2], ["'layers.0.self_attn.qkv_proj.bottleneck'"],
      ["(2, 6, 2)", "(2, 6, 3)"]),

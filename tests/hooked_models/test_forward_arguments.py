@@ -108,6 +108,11 @@ def test_prepend_bos_and_padding_side_for_text(family):
         assert torch.equal(fired["ids"], ids) and ids[0, 0] != bos and mask[1, 0] == 0 and mask[1, -1] == 1
         with_bos = model(texts[0], prepend_bos=True)
         assert torch.equal(with_bos, model(model.to_tokens(texts[0], prepend_bos=True)))
+        # None is the default, as TransformerLens's callers (HookedSAETransformer) pass it through.
+        assert torch.equal(model.to_tokens(texts, prepend_bos=None, padding_side=None), model.to_tokens(texts))
+        assert model.to_tokens(texts)[0, 0] == bos
+        with pytest.raises(ValueError, match="padding_side must be 'left' or 'right', not 'middle'"):
+            model(texts, padding_side="middle")
         assert not torch.equal(model(texts[0], prepend_bos=False)[:, -1], with_bos[:, -1])
     else:  # 16-token windows: text input is checked against the length rule like ids
         text = "When Mary and John went to the store together , John gave a drink to"

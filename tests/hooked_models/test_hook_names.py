@@ -70,3 +70,58 @@ def test_transformer_lens_attribution_patch_runs_and_is_right(embedded):
     for (pos, head), s in scores.items():
         assert s == pytest.approx(float(by_hand[pos, head]), rel=1e-4, abs=1e-5)
     assert max(abs(s) for s in scores.values()) > 1e-3  # the edit matters somewhere: the test can fail
+
+
+# ----------------------------------------------------------------------------------- filters on names
+def _ids():
+    return torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+EXCLUDING = {  # leave the scores and the pattern out, written in either naming
+    "standard": lambda n: not n.endswith(("attention_scores", "attention_probabilities")),
+    "TransformerLens": lambda n: not n.endswith(("hook_attn_scores", "hook_pattern")),
+}
+
+
+@pytest.mark.parametrize("naming", list(EXCLUDING))
+def test_an_excluding_filter_in_either_naming_keeps_the_run_on_the_fused_path(tiny_arcee, explicit_attention, naming):
+    ids = _ids()
+    with torch.no_grad():
+        logits, cache = tiny_arcee.run_with_cache(ids, names_filter=EXCLUDING[naming])
+        fused, explicit = tiny_arcee(ids), tiny_arcee.run_with_hooks(ids, fwd_hooks=explicit_attention)
+    left_out = {n for n in tiny_arcee.standard_hook_dict if n.endswith(("attention_scores", "attention_probabilities"))}
+    on_request = {n for n in tiny_arcee.standard_hook_dict if n.endswith("attention_head_results")}
+    assert set(cache.cache_dict) == set(tiny_arcee.standard_hook_dict) - left_out
+    assert on_request <= set(cache.cache_dict)  # a filter that accepts them asks for them
+    assert not torch.equal(fused, explicit)  # the paths round differently, so the check below can fail
+    assert torch.equal(logits, fused)
+    seen = []
+    with torch.no_grad():
+        tiny_arcee.run_with_hooks(ids, fwd_hooks=[(EXCLUDING[naming], lambda t, hook: seen.append(hook.name))])
+    assert seen and not [n for n in seen if "attention_scores" in n or "probabilities" in n or "pattern" in n]
+
+
+INCLUDING = {  # the per-head outputs, named in either naming, or in both
+    "standard": lambda n: n.endswith(".attention_head_outputs"),
+    "TransformerLens": lambda n: n.endswith("hook_z"),
+    "both": lambda n: n.endswith("hook_z") or n.endswith(".attention_head_outputs"),
+}
+
+
+@pytest.mark.parametrize("naming", list(INCLUDING))
+def test_an_including_filter_in_either_naming_selects_the_value(tiny_arcee, naming):
+    _, cache = tiny_arcee.run_with_cache(_ids(), names_filter=INCLUDING[naming])
+    assert set(cache.cache_dict) == {"layers.0.self_attn.attention_head_outputs",
+                                     "layers.1.self_attn.attention_head_outputs"}
+    _, mixed = tiny_arcee.run_with_cache(_ids(), names_filter=lambda n: n.endswith(("hook_z", ".layer_input")))
+    assert set(mixed.cache_dict) == {f"layers.{i}.{v}" for i in (0, 1)
+                                     for v in ("self_attn.attention_head_outputs", "layer_input")}
+
+
+def test_a_hook_added_by_a_transformer_lens_filter_sees_its_name_and_layout(tiny_arcee):
+    seen = {}
+    with torch.no_grad():
+        tiny_arcee.run_with_hooks(_ids(), fwd_hooks=[(lambda n: n.endswith("hook_z"),
+                                                     lambda t, hook: seen.update({hook.name: t.shape}))])
+    cfg = tiny_arcee.cfg
+    assert seen == {f"blocks.{i}.attn.hook_z": (2, 24, cfg.n_heads, cfg.d_head) for i in (0, 1)}

@@ -1,8 +1,10 @@
 """The one table: consistent with itself, with the family page, and with the models built from it."""
 
+from html.parser import HTMLParser
+
 import torch
 
-from hooked_models.vocabulary import LAYOUTS, STANDARD_VALUES, VALUES, tl_module_path
+from hooked_models.vocabulary import LAYOUTS, STANDARD_VALUES, SYNONYMS, VALUES, tl_module_path
 
 # The family page's values, by host (shared/seeds/000_*.txt).
 FAMILY_PAGE = {
@@ -77,3 +79,66 @@ def test_aliases_are_unique_and_resolve(tiny_arcee):
     }
     for alias, canonical in expected.items():
         assert tiny_arcee.resolve_hook_name(alias)[0] == canonical
+
+
+# ------------------------------------------------------------------------------------------ support()
+class _Table(HTMLParser):
+    """The rows of an HTML table: each a list of its cells' text, header cells included."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self._cell = [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.rows[-1].append(self._cell)
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def test_support_shows_its_table_at_a_prompt_and_in_jupyter(tiny_arcee):
+    """What a prompt echoes (repr) is what print shows; Jupyter gets the same rows as HTML and Markdown."""
+    support = tiny_arcee.support()
+    assert repr(support) == str(support) and "SupportRow(" not in repr(support)
+    for row in support:
+        assert f"  {row.name} " in repr(support) and row.layout in repr(support)
+    parser = _Table()
+    parser.feed(support._repr_html_())
+    header, *body = parser.rows
+    assert header == ["name", "layout", "meaning", "read at", "TransformerLens"]
+    modules = [r[0] for r in body if len(r) == 1]
+    assert modules == list(support.by_host())
+    cells = [r for r in body if len(r) == 5]
+    assert [(c[0], c[1], c[4]) for c in cells] == [(r.name, r.layout, r.tl_name or "") for r in support]
+    lines = support._repr_markdown_().splitlines()
+    assert len(lines) == 2 + len(support)
+    for line, row in zip(lines[2:], support):
+        assert line.split(" | ")[1:3] == [row.name, row.layout]
+    try:  # what Jupyter asks for, where IPython is installed
+        from IPython.core.formatters import format_display_data
+    except ImportError:
+        return
+    shown, _ = format_display_data(support)
+    assert shown["text/plain"] == str(support) and shown["text/html"] == support._repr_html_()
+
+
+# --------------------------------------------------------------------------------------------- synonyms
+def test_every_synonym_means_a_value_of_the_vocabulary_or_a_family():
+    from hooked_models.components.attention import SOFT_CAP_VALUES
+    from hooked_models.components.mlp import EXPERT_VALUES
+    from hooked_models.families.alpha_er import ALPHA_ER_VALUES
+
+    known = set(VALUES) | set(SOFT_CAP_VALUES) | set(EXPERT_VALUES) | set(ALPHA_ER_VALUES)
+    assert {name for names in SYNONYMS.values() for name in names} <= known
+    for word in ("pattern", "attention_pattern", "attn_scores", "resid_pre", "resid_mid", "resid_post", "mlp_out",
+                 "attn_out", "attentions_output", "mlps_output", "layers_output", "q", "k", "v", "z"):
+        assert word in SYNONYMS, word

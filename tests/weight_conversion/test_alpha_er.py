@@ -149,3 +149,17 @@ def test_from_reference_needs_the_config(reference):
     del reference.cfg.attn_rank
     with pytest.raises(CheckpointError, match=r"cfg is missing field\(s\) \['attn_rank'\]"):
         HookedAlphaEr.from_reference(reference)
+
+
+def test_a_saved_directory_loads_without_transformers_warning(tmp_path, capfd):
+    """The directory's config.json is alpha-er's, not a transformers model's: loading its tokenizer must not
+    make transformers read it (and warn "You are using a model of type alpha-er ...")."""
+    model = HookedAlphaEr.from_pretrained("embedded")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists() and (tmp_path / "tokenizer.json").exists()
+    capfd.readouterr()
+    loaded = HookedAlphaEr.from_pretrained(tmp_path)
+    out, err = capfd.readouterr()
+    assert "model of type" not in out + err and err == "", err
+    text = "When Mary and John went to the store together, John gave a drink to"
+    assert torch.equal(loaded.to_tokens(text), model.to_tokens(text))

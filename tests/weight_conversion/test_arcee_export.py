@@ -32,7 +32,15 @@ def test_export_round_trip_after_an_edit_and_after_fold_ln(tl_model_factory, tmp
     folded, theirs = logits_of_export(model, tmp_path / "folded")
     torch.testing.assert_close(theirs, folded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(folded.log_softmax(-1), ours.log_softmax(-1), rtol=1e-5, atol=1e-5)
-    assert HookedArcee.from_pretrained(str(tmp_path / "folded")).lm_head.weight.data_ptr()
+    # The export loads back into a HookedArcee with every folded weight as it was, so the same logits.
+    reloaded = HookedArcee.from_pretrained(str(tmp_path / "folded"))
+    expected = model.state_dict()
+    assert set(reloaded.state_dict()) == set(expected)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens), folded)
 
 
 @pytest.mark.parametrize("tie", [True])
