@@ -6,6 +6,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -86,3 +87,12 @@ def report(title: str, medians: dict[str, tuple[float, float]], baseline: str, t
     for name, (cpu, wall) in medians.items():
         print(f"  {name:<40} cpu {cpu * 1000:9.1f} ms  {cpu / base_cpu:5.3f}x   "
               f"wall {wall * 1000:9.1f} ms  {wall / base_wall:5.3f}x")
+
+
+def memory(field: str) -> int:
+    """Bytes of /proc/self/status's `field`: VmRSS now, VmHWM the peak of this process's own memory
+    (getrusage's ru_maxrss would carry a parent's peak across the exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import memory  # noqa: E402
 from hooked_models.families.arcee import AFM_4_5B  # noqa: E402
 from weight_conversion.arcee import hf_config_dict  # noqa: E402
 
@@ -81,15 +82,6 @@ def write_checkpoint(cfg, directory: Path, shard_bytes: int = 2 * 10**9) -> int:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return total
-
-
-def memory(field: str) -> int:
-    """Bytes of /proc/self/status's `field`: VmRSS now, VmHWM the peak of this process's own memory
-    (getrusage's ru_maxrss would carry the writer's peak across the exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def child(directory: str) -> None:

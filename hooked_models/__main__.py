@@ -1,0 +1,144 @@
+"""The command line: corpus-scale runs (hooked_models/corpus.py).
+
+    python -m hooked_models harvest --model embedded --names layers.1.layer_output --dataset PATH --out DIR
+    python -m hooked_models harvest ... --engine ray --workers 2
+    python -m hooked_models patch --model embedded --pairs PATH --value layer_input --over layer seq
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hooked_models import corpus
+
+COMMON = """
+--model is a checkpoint path (an HF Arcee directory, an alpha-er file or directory: the family is
+detected), "embedded" (the small IOI model shipped in the package; --family picks which), or a Hub
+id in the local cache. With --engine ray the run joins the Ray cluster RAY_ADDRESS names, else
+starts one on this machine.
+"""
+
+
+def _command(commands, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with the flags both share (the model, its dtype, the engine)."""
+    parser = commands.add_parser(name, help=summary, description=description + COMMON,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="checkpoint path, 'embedded', or a Hub id in the local cache")
+    parser.add_argument("--family", choices=("arcee", "alpha_er", "alpha-er"), default=None,
+                        help="the family 'embedded' means (default: arcee); a path's family is detected")
+    parser.add_argument("--dtype", choices=sorted(corpus.DTYPES), default=None,
+                        help="dtype the model runs in (default: the checkpoint's)")
+    parser.add_argument("--engine", choices=corpus.ENGINES, default="local",
+                        help="'local': this process; 'ray': an actor pool of --workers replicas (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="model replicas with --engine ray, one GPU each where the cluster has GPUs "
+                             "(default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _dataset(path: str):
+    """A saved `datasets` directory, or token ids [n seq] in a .pt or .npy file."""
+    suffix = Path(path).suffix
+    if suffix == ".pt":
+        import torch
+
+        return torch.load(path, weights_only=True)
+    if suffix == ".npy":
+        import numpy as np
+
+        return np.load(path)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: `harvest` and `patch`, every flag explained."""
+    parser = argparse.ArgumentParser(prog="python -m hooked_models", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    harvest = _command(
+        commands, "harvest", "write activations over a corpus to disk (SAELens's cached-activations layout)",
+        "Write the activations of --names over a corpus to --out: a `datasets` dataset on disk with one "
+        "[context_size, d] column per value and token_ids, in shards, with a manifest. Rerunning a killed "
+        "harvest finishes it.")
+    harvest.add_argument("--names", nargs="+", required=True,
+                         help="values to store, standard or TransformerLens names (layers.1.layer_output, "
+                              "blocks.0.attn.hook_z, ...)")
+    harvest.add_argument("--dataset", required=True,
+                         help="a `datasets` directory saved by save_to_disk (a token column: tokens, input_ids "
+                              "or token_ids; or a text column, packed into windows), or token ids [n seq] in a "
+                              ".pt or .npy file")
+    harvest.add_argument("--out", required=True, help="the output directory (empty, or a harvest to continue)")
+    harvest.add_argument("--column", default=None, help="the dataset's column to read (default: by name)")
+    harvest.add_argument("--context-size", type=int, default=None,
+                         help="tokens per window: needed to pack text (default: the windows' own length)")
+    harvest.add_argument("--batch-size", type=int, default=32, help="windows per forward (default: %(default)s)")
+    harvest.add_argument("--shard-size", type=int, default=None,
+                         help="windows per shard file, the unit of work a worker takes (default: about 64 MiB of "
+                              "activations)")
+    harvest.add_argument("--no-resume", action="store_true",
+                         help="refuse a non-empty --out instead of continuing the harvest there")
+
+    patch = _command(
+        commands, "patch", "activation patching over a dataset of prompt pairs: the mean over the pairs",
+        "Patch --value over --over at every location, on every pair of --pairs (a saved `datasets` directory "
+        "with clean, corrupted, answer and wrong columns), in chunks; print the locations that move the mean "
+        "logit difference most.")
+    patch.add_argument("--pairs", required=True,
+                       help="a `datasets` directory saved by save_to_disk: clean and corrupted token ids of one "
+                            "length, answer and wrong token ids (and optionally position)")
+    patch.add_argument("--value", default="layer_input",
+                       help="the value to patch: a standard name (layer_input, attention_head_outputs, ...) or a "
+                            "TransformerLens one (resid_pre, z) (default: %(default)s)")
+    patch.add_argument("--over", nargs="+", default=None,
+                       help="the value's dimensions to sweep, e.g. layer seq, or layer head (default: by layout)")
+    patch.add_argument("--direction", choices=("denoising", "noising"), default="denoising",
+                       help="denoising writes clean values into the corrupted run (default: %(default)s)")
+    patch.add_argument("--chunk-size", type=int, default=64, help="pairs per chunk (default: %(default)s)")
+    patch.add_argument("--top", type=int, default=10, help="locations to print (default: %(default)s)")
+    patch.add_argument("--save", default=None, help="write the result (torch.save of its fields) to this file")
+    patch.add_argument("--plot", default=None, help="write the result's heatmap to this PNG")
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    progress = False if args.no_progress else None
+    if args.command == "harvest":
+        summary = corpus.harvest(
+            args.model, _dataset(args.dataset), args.names, args.out, context_size=args.context_size,
+            batch_size=args.batch_size, dtype=args.dtype, engine=args.engine, num_workers=args.workers,
+            resume=not args.no_resume, progress=progress, shard_size=args.shard_size, column=args.column,
+            family=args.family)
+        print(summary)
+        return 0
+    began = time.perf_counter()
+    result = corpus.patch(args.model, args.pairs, args.value, args.over, engine=args.engine,
+                          num_workers=args.workers, chunk_size=args.chunk_size, progress=progress,
+                          family=args.family, dtype=args.dtype, direction=args.direction)
+    seconds = time.perf_counter() - began
+    print(f"{result.method} of {result.value} ({result.direction}) over {' x '.join(result.axes) or 'nothing'}, "
+          f"mean over {result.pairs} pairs: clean {result.clean_metric:.4g}, corrupted {result.corrupted_metric:.4g}")
+    for label, value in result.top(args.top):
+        print(f"  {label:<24} {value:.4g}")
+    print(f"patched {result.values.numel()} locations on {result.pairs} pairs ({result.tokens} prompt tokens) in "
+          f"{seconds:.1f} s: {result.tokens / seconds:,.0f} tokens/s "
+          f"({args.engine}, {args.workers} worker{'s' if args.workers > 1 else ''})")
+    if args.save:
+        import dataclasses
+
+        import torch
+
+        torch.save(dataclasses.asdict(result), args.save)
+        print(f"wrote {args.save}")
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
