@@ -31,13 +31,14 @@ import transformer_lens.patching as tl_patching
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from common import detect_family, dtype_name, make_task  # noqa: E402  (examples/common.py)
+from common import make_task  # noqa: E402  (examples/common.py)
 
 from benchmarks.common import interleaved, randomize_  # noqa: E402
 
-from hooked_models import HookedAlphaEr, HookedArcee, patching  # noqa: E402
+from hooked_models import HookedArcee, patching  # noqa: E402
 from hooked_models.components import RopeConfig  # noqa: E402
-from hooked_models.dtypes import resolve_dtype  # noqa: E402
+from hooked_models.dtypes import dtype_argument, resolve_dtype  # noqa: E402
+from hooked_models.families import load_model  # noqa: E402
 from hooked_models.families.arcee import ArceeConfig  # noqa: E402
 
 SWEEPS = {
@@ -119,7 +120,7 @@ def main() -> None:
     parser.add_argument("--sweeps", nargs="+", choices=sorted(SWEEPS), default=None,
                         help="default: both with --size, layer_input otherwise")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", type=dtype_name, default="float32")
+    parser.add_argument("--dtype", type=dtype_argument, default="float32")
     parser.add_argument("--prompts", type=int, default=None, help="prompt pairs (default: 4 with --size, else 32)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed rounds, the median reported (default: 1 with --size, else 5)")
@@ -140,9 +141,8 @@ def main() -> None:
     if sized:
         models = (sized_arcee(depth, args.device, resolve_dtype(args.dtype)) for depth in args.depths)
     else:
-        family = args.family if args.model == "embedded" else detect_family(args.model)
-        cls = HookedArcee if family == "arcee" else HookedAlphaEr
-        models = [cls.from_pretrained(args.model, dtype=args.dtype, device=args.device).eval()]
+        family = args.family if args.model == "embedded" else None
+        models = [load_model(args.model, family, dtype=args.dtype, device=args.device)]
     for model in models:
         task = make_task(model, prompts, seed=0)
         print(f"{type(model).__name__} {model.cfg.num_layers} layers × {model.cfg.hidden_size}, {task.name}: "

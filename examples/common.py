@@ -6,27 +6,16 @@ tokens otherwise (an alpha-er checkpoint without a tokenizer): every model has s
 """
 
 import argparse
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from hooked_models import HookedAlphaEr, HookedArcee
-from hooked_models.dtypes import DTYPE_NAMES, resolve_dtype
+from hooked_models import families
+from hooked_models.dtypes import DTYPE_NAMES, dtype_argument
+from hooked_models.families import detect_family
 
 FAMILIES = ("arcee", "alpha-er")
 CHECKPOINTS = {"arcee": "an HF Arcee directory (AFM-4.5B)", "alpha-er": "an alpha-er checkpoint (file or directory)"}
-
-
-def dtype_name(text: str) -> str:
-    """--dtype's check: a name hooked_models.dtypes accepts (float32, bfloat16, bf16, fp16, ...)."""
-    try:
-        resolve_dtype(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
 
 
 def arguments(description: str, out: str, families: tuple[str, ...] = FAMILIES) -> argparse.ArgumentParser:
@@ -42,7 +31,7 @@ def arguments(description: str, out: str, families: tuple[str, ...] = FAMILIES) 
                             help="which embedded model --model embedded means (default: %(default)s)")
     parser.set_defaults(family=families[0], families=families)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", type=dtype_name, default="float32", metavar="DTYPE",
+    parser.add_argument("--dtype", type=dtype_argument, default="float32", metavar="DTYPE",
                         help=f"one of {', '.join(DTYPE_NAMES)} (default: %(default)s)")
     parser.add_argument("--out", default=out, help="where the heatmap PNG goes (default: %(default)s)")
     parser.add_argument("--prompts", type=int, default=32, help="clean/corrupted pairs (default: %(default)s)")
@@ -51,23 +40,13 @@ def arguments(description: str, out: str, families: tuple[str, ...] = FAMILIES) 
     return parser
 
 
-def detect_family(path: str | os.PathLike) -> str:
-    """'arcee' for an HF directory whose config.json says model_type arcee, else 'alpha-er'."""
-    config = Path(path) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "arcee":
-        return "arcee"
-    return "alpha-er"
-
-
 def load_model(args: argparse.Namespace):
     """The model --model names, on --device in --dtype, in eval mode; a family the script does not run
     is refused before anything loads."""
-    family = args.family if args.model == "embedded" else detect_family(args.model)
+    family = args.family if args.model == "embedded" else detect_family(args.model).replace("_", "-")
     if family not in args.families:
         raise SystemExit(f"{args.model} is {CHECKPOINTS[family]}; this script runs {' and '.join(args.families)} only")
-    cls = HookedArcee if family == "arcee" else HookedAlphaEr
-    model = cls.from_pretrained(args.model, dtype=args.dtype, device=args.device)
-    return model.eval()
+    return families.load_model(args.model, family, dtype=args.dtype, device=args.device)
 
 
 @dataclass

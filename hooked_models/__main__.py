@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from hooked_models import corpus
+from hooked_models.dtypes import dtype_argument
 
 COMMON = """
 --model is a checkpoint path (an HF Arcee directory, an alpha-er file or directory: the family is
@@ -28,7 +29,7 @@ def _command(commands, name: str, summary: str, description: str) -> argparse.Ar
                         help="checkpoint path, 'embedded', or a Hub id in the local cache")
     parser.add_argument("--family", choices=("arcee", "alpha_er", "alpha-er"), default=None,
                         help="the family 'embedded' means (default: arcee); a path's family is detected")
-    parser.add_argument("--dtype", choices=sorted(corpus.DTYPES), default=None,
+    parser.add_argument("--dtype", type=dtype_argument, default=None, metavar="DTYPE",
                         help="dtype the model runs in (default: the checkpoint's)")
     parser.add_argument("--engine", choices=corpus.ENGINES, default="local",
                         help="'local': this process; 'ray': an actor pool of --workers replicas (default: %(default)s)")

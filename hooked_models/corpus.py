@@ -42,15 +42,15 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
+from hooked_models.dtypes import resolve_dtype
+from hooked_models.families import detect_family, family_name, load_model
 from hooked_models.hooks import ValueHook
 from hooked_models.patching import PatchingResult, activation_patch
 
 ENGINES = ("local", "ray")
-FAMILIES = ("arcee", "alpha_er")
 # Column names read as token ids or as text when `column` is not given (SAELens's and transformers').
 TOKEN_COLUMNS = ("tokens", "input_ids", "token_ids")
 TEXT_COLUMNS = ("text",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # Arrow has no bfloat16: it is stored widened to float32, which is exact.
 STORAGE = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.bfloat16: "float32"}
 MANIFEST = "manifest.json"
@@ -64,35 +64,8 @@ ACTOR_CPUS = 0.5
 
 
 # ------------------------------------------------------------------------------------------ models
-def detect_family(source: str | os.PathLike) -> str:
-    """"arcee" for an HF Arcee directory or a Hub id, "alpha_er" for an alpha-er checkpoint (a file, or a
-    directory without an Arcee config.json)."""
-    path = Path(source)
-    if path.is_file():
-        return "alpha_er"
-    if path.is_dir():
-        config = path / "config.json"
-        if config.is_file() and json.loads(config.read_text()).get("model_type") == "arcee":
-            return "arcee"
-        return "alpha_er"
-    return "arcee"  # a Hub id: alpha-er is not on the Hub
-
-
 def _family(family: str | None, source) -> str:
-    if family is None:
-        return "arcee" if str(source) == "embedded" else detect_family(source)
-    family = family.replace("-", "_")
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r} must be one of {', '.join(FAMILIES)}")
-    return family
-
-
-def _dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)} (or a torch dtype)")
-    return DTYPES[dtype]
+    return detect_family(source) if family is None else family_name(family)
 
 
 @dataclass(frozen=True)
@@ -104,16 +77,7 @@ class ModelSource:
     dtype: torch.dtype | None = None
 
     def load(self, device=None):
-        from hooked_models import HookedAlphaEr, HookedArcee
-
-        cls = HookedArcee if self.family == "arcee" else HookedAlphaEr
-        return cls.from_pretrained(self.source, dtype=self.dtype, device=device).eval()
-
-
-def load_model(source: str | os.PathLike, family: str | None = None, dtype=None, device=None):
-    """A hooked model from a checkpoint path, "embedded" or a Hub id in the local cache, its family
-    detected (`family` says which embedded model "embedded" means: "arcee", the default, or "alpha_er")."""
-    return ModelSource(str(source), _family(family, source), _dtype(dtype)).load(device)
+        return load_model(self.source, self.family, self.dtype, device)
 
 
 def _default_device() -> str:
@@ -130,7 +94,7 @@ def _model_source(model, family, dtype) -> ModelSource:
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a checkpoint path, 'embedded', a Hub id or a hooked model, "
                          f"not {type(model).__name__}")
-    return ModelSource(str(model), _family(family, model), _dtype(dtype))
+    return ModelSource(str(model), _family(family, model), resolve_dtype(dtype))
 
 
 def _resolve_model(model, family, dtype, engine: str):
@@ -138,7 +102,7 @@ def _resolve_model(model, family, dtype, engine: str):
     from hooked_models.model import HookedModel
 
     if isinstance(model, HookedModel) and engine == "local":
-        if dtype is not None and _dtype(dtype) != next(model.parameters()).dtype:
+        if dtype is not None and resolve_dtype(dtype) != next(model.parameters()).dtype:
             raise ValueError(f"dtype={dtype} differs from the model's {next(model.parameters()).dtype}; "
                              "dtype applies when the model is loaded from a path")
         return model, None

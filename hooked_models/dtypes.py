@@ -32,3 +32,14 @@ def resolve_dtype(dtype: "torch.dtype | str | None") -> "torch.dtype | None":
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype's name as config.json writes it ("bfloat16")."""
     return str(resolve_dtype(dtype)).removeprefix("torch.")
+
+
+def dtype_argument(text: str) -> str:
+    """An argparse `type=` for --dtype: the name back if `resolve_dtype` takes it, else argparse's error."""
+    import argparse
+
+    try:
+        resolve_dtype(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text

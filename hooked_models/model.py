@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint, _AliasedHookPoint
