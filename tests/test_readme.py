@@ -146,7 +146,8 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
 
     command = "python " + shlex.join(argv)
     if argv[0] == "-m":
-        assert argv[1] == "hooked_models" or argv[1].startswith("hooked_models."), \
+        # Only the package's command line: another module may not parse with argparse, and would run.
+        assert argv[1] == "hooked_models", \
             f"README.md line {line}: {command}: teach tests/test_readme.py to check this program"
         program, args = argv[1], argv[2:]
         run = lambda: runpy.run_module(program, run_name="__main__", alter_sys=True)  # noqa: E731
@@ -156,11 +157,12 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
             f"README.md line {line}: {command}: no such script in examples/ or benchmarks/"
         program, args = str(script), argv[1:]
         run = lambda: runpy.run_path(program, run_name="__main__")  # noqa: E731
+    # Scripts edit sys.path and os.environ at import (offline flags, their folder first): restored after.
     saved_environ = dict(os.environ)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
     monkeypatch.setattr(sys, "argv", [program, *args])
-    if argv[0] != "-m":
-        monkeypatch.syspath_prepend(str(Path(program).parent))  # as `python examples/x.py` puts its folder first
+    first = [str(Path(program).parent)] if argv[0] != "-m" else []  # as `python examples/x.py` puts its folder first
+    monkeypatch.setattr(sys, "path", [*first, *sys.path])
     monkeypatch.chdir(tmp_path)
     try:
         run()
@@ -170,7 +172,8 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
         pytest.fail(f"README.md line {line}: {command}: the parser refused it (exit {exit.code}):\n"
                     f"{capsys.readouterr().err}", pytrace=False)
     finally:
-        os.environ.clear()
+        for name in set(os.environ) - set(saved_environ):
+            del os.environ[name]
         os.environ.update(saved_environ)
     pytest.fail(f"README.md line {line}: {command} ended without parsing its arguments with argparse",
                 pytrace=False)
