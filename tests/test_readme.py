@@ -14,6 +14,7 @@ it; the parse ends the program there, so nothing (no benchmark) runs.
 
 import argparse
 import ast
+import importlib
 import importlib.util
 import os
 import re
@@ -150,7 +151,9 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
         assert argv[1] == "hooked_models", \
             f"README.md line {line}: {command}: teach tests/test_readme.py to check this program"
         program, args = argv[1], argv[2:]
-        run = lambda: runpy.run_module(program, run_name="__main__", alter_sys=True)  # noqa: E731
+        # What `python -m hooked_models` runs; its main() reads sys.argv (runpy would warn that the corpus
+        # tests imported hooked_models.__main__ already).
+        run = lambda: importlib.import_module("hooked_models.__main__").main()  # noqa: E731
     else:
         script = ROOT / argv[0]
         assert argv[0].split("/")[0] in ("examples", "benchmarks") and script.is_file(), \
