@@ -485,8 +485,9 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
                 raise ValueError(f"tokens have shape {tuple(tokens.shape)}, but the residual stream is "
                                  f"{tuple(input.shape[:2])} positions")
         else:
-            self._check_sequence(input.shape[1], attention_mask, past)
+            # As _prepare_inputs: the mask checked first, so a family's sequence rule reads a checked mask.
             attention_mask = self._checked_mask(attention_mask, tuple(input.shape[:2]), input.device, past)
+            self._check_sequence(input.shape[1], attention_mask, past)
         return input, tokens, attention_mask
 
     @staticmethod
