@@ -621,6 +621,23 @@ def _refuse_mismatch(existing: dict, job: dict, out: Path) -> None:
                              "this one: harvest into another directory, or delete it to start over")
 
 
+def _leftovers(out: Path) -> list[Path]:
+    """What a killed harvest can leave besides its results: the lock file, the staging directory of
+    partial shards, and the temporary files that manifest, windows and state are written to before
+    they are renamed into place."""
+    return [p for p in out.iterdir()
+            if p.name in (".lock", ".tmp") or p.name.startswith(f".{MANIFEST}.") or p.name.endswith(".partial")]
+
+
+def _clear_leftovers(out: Path) -> None:
+    """Delete a killed harvest's temporaries (the lock held, so no other harvest is writing them)."""
+    for path in _leftovers(out):
+        if path.name == ".tmp":
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name != ".lock":
+            path.unlink(missing_ok=True)
+
+
 @contextmanager
 def _locked(out: Path):
     """One harvest at a time per directory (a killed one leaves no lock: the kernel drops it)."""
@@ -683,7 +700,7 @@ def harvest(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is a file, not a directory")
-    if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):
+    if out.is_dir() and set(out.iterdir()) - set(_leftovers(out)):
         if not resume:
             raise ValueError(f"out={str(out)!r} is not empty; pass resume=True to continue the harvest there, "
                              "or give an empty directory")
@@ -706,6 +723,7 @@ def harvest(
     }
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out):
+        _clear_leftovers(out)
         manifest = _Manifest(out)
         existing = manifest.data
         first = next(windows, None)

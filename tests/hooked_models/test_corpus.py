@@ -233,6 +233,25 @@ def test_a_killed_harvest_finishes_on_rerun(tmp_path):
     assert output_files(out) == output_files(tmp_path / "whole")
 
 
+def test_a_rerun_clears_what_a_killed_harvest_left_half_written(tmp_path):
+    """A kill between writing a temporary and renaming it into place leaves the temporary; the rerun
+    deletes it, so the output is the uninterrupted run's, file for file. (The kill test above lands
+    there only by chance: CI once found a stray manifest temporary.)"""
+    tokens = np.random.default_rng(1).integers(0, 127, (16, 16))
+    names = ["layers.0.layer_output"]
+    corpus.harvest("embedded", tokens, names, tmp_path / "whole", batch_size=2, shard_size=4)
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / ".manifest.json.0123abcd").write_text("")  # killed before the first manifest was renamed in
+    corpus.harvest("embedded", tokens, names, out, batch_size=2, shard_size=4)  # an empty directory, still
+    for leftover in (".manifest.json.4567ef", "windows.int32.partial", ".state.json.partial"):
+        (out / leftover).write_bytes(b"\0")
+    (out / ".tmp").mkdir()
+    (out / ".tmp" / "data-00001.arrow.89ab").write_bytes(b"\0")
+    corpus.harvest("embedded", tokens, names, out, batch_size=2, shard_size=4)
+    assert output_files(out) == output_files(tmp_path / "whole")
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(names=["layers.1.layer_output"]), "names"),
     (dict(model=lambda: HookedArcee.from_pretrained("embedded").to(torch.float64), dtype="float64"), "dtype"),
