@@ -36,8 +36,10 @@ import torch.nn as nn
 from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import ActivationCache
-from transformer_lens.FactoredMatrix import FactoredMatrix
 from transformer_lens.utilities import Slice
+
+from hooked_models.components.norms import LayerNorm
+from hooked_models.weight_views import FactoredMatrix, per_head_in, per_head_out
 
 __all__ = ["FactoredMatrix", "TRANSFORMER_LENS_4", "TRANSFORMER_LENS_VERSION", "TransformerLensCache",
            "TransformerLensModel", "per_head_in", "per_head_out"]
@@ -46,16 +48,6 @@ __all__ = ["FactoredMatrix", "TRANSFORMER_LENS_4", "TRANSFORMER_LENS_VERSION", "
 TRANSFORMER_LENS_VERSION: tuple[int, int] = tuple(
     int(part) for part in re.match(r"(\d+)\.(\d+)", version("transformer_lens")).groups())
 TRANSFORMER_LENS_4 = TRANSFORMER_LENS_VERSION >= (4, 0)
-
-
-def per_head_in(weight: Float[Tensor, "heads_by_dim hidden_size"], heads: int) -> Tensor:
-    """An [out, in] projection into heads -> TransformerLens's [head hidden_size head_dim] (a view)."""
-    return weight.view(heads, -1, weight.shape[-1]).transpose(-1, -2)
-
-
-def per_head_out(weight: Float[Tensor, "hidden_size heads_by_dim"], heads: int) -> Tensor:
-    """An [out, in] projection out of heads -> TransformerLens's [head head_dim hidden_size] (a view)."""
-    return weight.view(weight.shape[0], heads, -1).permute(1, 2, 0)
 
 
 @torch.no_grad()
@@ -265,8 +257,6 @@ class TransformerLensModel:
         not). A LayerNorm's bias may give a bias-free reader a bias: alpha-er's reference format has
         no place for those, so such a model no longer exports to it.
         """
-        from hooked_models.components import LayerNorm
-
         self.untie_weights()
         for norm, readers in self.norm_readers():
             fold_norm_(norm, readers, center=isinstance(norm, LayerNorm))
@@ -364,8 +354,6 @@ class TransformerLensCache(ActivationCache):
                                                  mlp_input=False):
         """TransformerLens's fused path (normed neuron results projected, never materialized),
         with the norm's weight: (c(x) / s · w) @ p == (c(x) / s) @ (w p), c the centring if any."""
-        from hooked_models.components import LayerNorm
-
         norm = self._norm(layer, mlp_input)
         project = norm.weight[:, None] * project_2d
         scale = self._get_cached_ln_scale(layer, mlp_input=mlp_input, pos_slice=pos_slice)

@@ -6,12 +6,13 @@ or the strings of a safetensors header) to an `AlphaErConfig` and refuses fields
 `reference_tensor_name` maps it back; `convert_alpha_er_state_dict` applies the first to a whole
 state dict. The loaders around them read and write the reference's checkpoint format: one
 safetensors file whose header metadata carries the config fields (or a config.json beside it), or
-a torch state-dict file read with weights_only=True.
+a torch state-dict file read with weights_only=True. They import no family: the family passes
+`build`, which makes its model for a config on the meta device.
 """
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -20,7 +21,8 @@ from safetensors.torch import save_file
 
 from hooked_models.devices import resolve_device
 from hooked_models.dtypes import resolve_dtype
-from hooked_models.families.alpha_er import REFERENCE_FIELDS, AlphaErConfig, HookedAlphaEr
+from hooked_models.config import REFERENCE_FIELDS, AlphaErConfig
+from hooked_models.model import HookedModel
 from weight_conversion.checkpoint import (
     CheckpointError,
     iter_tensors,
@@ -128,7 +130,7 @@ def convert_alpha_er_state_dict(state: dict[str, torch.Tensor]) -> dict[str, tor
     return rename_state_dict(state, convert_alpha_er_name, "alpha-er")
 
 
-def hooked_to_reference_state_dict(model: HookedAlphaEr) -> dict[str, torch.Tensor]:
+def hooked_to_reference_state_dict(model: HookedModel) -> dict[str, torch.Tensor]:
     """HookedAlphaEr's parameters under the reference's names; a CheckpointError for a parameter the
     reference has no place for (the biases `fold_ln` gives bias-free readers of a LayerNorm)."""
     out = {}
@@ -144,11 +146,15 @@ def hooked_to_reference_state_dict(model: HookedAlphaEr) -> dict[str, torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ loaders
-def _build(cfg: AlphaErConfig, triples: Iterator[tuple[str, str, torch.Tensor]], dtype, device) -> HookedAlphaEr:
+# The family's constructor, called on the meta device: the model for a config, with no storage yet.
+Build = Callable[[AlphaErConfig], HookedModel]
+
+
+def _build(cfg: AlphaErConfig, triples: Iterator[tuple[str, str, torch.Tensor]], dtype, device,
+           build: Build) -> HookedModel:
     """Build on the meta device and stream the tensors in: every target filled, each shape checked."""
     cfg.dtype, cfg.device = dtype, torch.device(device)
-    with torch.device("meta"):
-        model = HookedAlphaEr(cfg)
+    model = build(cfg)
     stream_into(model, triples, rename=convert_alpha_er_name, dtype=dtype, device=device)
     model.setup()
     return model.eval()
@@ -161,7 +167,8 @@ def _reference_cfg_fields(cfg) -> dict:
         return {name: getattr(cfg, name) for name in REFERENCE_FIELDS if hasattr(cfg, name)}
 
 
-def load_from_reference(module: nn.Module, dtype: torch.dtype | str | None = None, device=None) -> HookedAlphaEr:
+def load_from_reference(module: nn.Module, dtype: torch.dtype | str | None = None, device=None, *,
+                        build: Build) -> HookedModel:
     """From an in-memory module with the reference's parameter names and `cfg`; the weights are copied."""
     dtype, device = resolve_dtype(dtype), None if device is None else resolve_device(device)
     if not hasattr(module, "cfg"):
@@ -175,7 +182,7 @@ def load_from_reference(module: nn.Module, dtype: torch.dtype | str | None = Non
     dtype, device = dtype or first.dtype, device or first.device
     source = type(module).__name__
     triples = ((source, name, tensor.detach().clone()) for name, tensor in module.state_dict().items())
-    return _build(cfg, triples, dtype, device)
+    return _build(cfg, triples, dtype, device, build)
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -226,7 +233,8 @@ def _tensors(file: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
         yield str(file), name, tensor
 
 
-def load_alpha_er_checkpoint(path, dtype: torch.dtype | str | None = None, device=None) -> HookedAlphaEr:
+def load_alpha_er_checkpoint(path, dtype: torch.dtype | str | None = None, device=None, *,
+                             build: Build) -> HookedModel:
     """From a safetensors file (config in its header or a config.json beside it), a torch state-dict
     file with a config.json beside it, or a directory holding one of them. Tokenizer files beside
     the weights (tokenizer.json, ...) become `model.tokenizer`."""
@@ -238,12 +246,12 @@ def load_alpha_er_checkpoint(path, dtype: torch.dtype | str | None = None, devic
         cfg = _checkpoint_config(file)
     except CheckpointError as error:  # name the file, whichever of its fields was at fault
         raise CheckpointError(error if str(file) in str(error) else f"{file}: {error}") from None
-    model = _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu")
+    model = _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu", build)
     model.tokenizer = load_tokenizer(file.parent, foreign_config=True)
     return model
 
 
-def save_alpha_er_checkpoint(model: HookedAlphaEr, path) -> None:
+def save_alpha_er_checkpoint(model: HookedModel, path) -> None:
     """The reference's format: one safetensors file, the config fields as JSON strings in its header.
 
     A path ending in .safetensors is that file; any other is a directory that gets model.safetensors

@@ -3,11 +3,13 @@
 The converters are pure: `convert_arcee_config` maps a config.json dict to an `ArceeConfig` and
 refuses fields it does not understand; `convert_arcee_name` maps one tensor name; and
 `convert_arcee_state_dict` applies it to a whole state dict, every source tensor consumed and every
-target filled. The loaders around them read and write real checkpoint directories.
+target filled. The loaders around them read and write real checkpoint directories; they import no
+family: the family passes `build`, which makes its model for a config on the meta device.
 """
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,8 +17,8 @@ from tqdm.auto import tqdm
 
 from hooked_models.devices import cuda_devices, parameter_placement, resolve_device, spread_layers
 from hooked_models.dtypes import dtype_name, resolve_dtype
-from hooked_models.components.rotary import ROPE_TYPES, RopeConfig
-from hooked_models.families.arcee import ArceeConfig, HookedArcee
+from hooked_models.config import ROPE_TYPES, ArceeConfig, RopeConfig
+from hooked_models.model import HookedModel
 from weight_conversion.checkpoint import (
     CheckpointError,
     checkpoint_bytes,
@@ -184,7 +186,7 @@ def convert_arcee_state_dict(state: dict[str, torch.Tensor], cfg: ArceeConfig) -
     return rename_state_dict(state, convert_arcee_name, "Arcee", skip)
 
 
-def hooked_to_hf_state_dict(model: HookedArcee) -> dict[str, torch.Tensor]:
+def hooked_to_hf_state_dict(model: HookedModel) -> dict[str, torch.Tensor]:
     """The way back: HookedArcee's parameters under transformers' names."""
     out = {}
     for name, tensor in model.state_dict().items():
@@ -217,9 +219,8 @@ def hf_config_dict(cfg: ArceeConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ loaders
-def _build_on_meta(cfg: ArceeConfig) -> HookedArcee:
-    with torch.device("meta"):
-        return HookedArcee(cfg)
+# The family's constructor, called on the meta device: the model for a config, with no storage yet.
+Build = Callable[[ArceeConfig], HookedModel]
 
 
 def _checked_device(device, n_devices: int | None):
@@ -236,7 +237,7 @@ def _placement(cfg: ArceeConfig, device, n_devices: int | None):
     return parameter_placement(cfg.num_layers, devices), devices
 
 
-def _finish(model: HookedArcee, dtype: torch.dtype, device, devices=None) -> HookedArcee:
+def _finish(model: HookedModel, dtype: torch.dtype, device, devices=None) -> HookedModel:
     model.tie_weights()
     model.cfg.dtype, model.cfg.device = dtype, torch.device(device if devices is None else devices[0])
     if devices is not None:
@@ -246,7 +247,7 @@ def _finish(model: HookedArcee, dtype: torch.dtype, device, devices=None) -> Hoo
 
 
 def load_from_hf_model(hf_model, dtype: torch.dtype | str | None = None, device=None,
-                       n_devices: int | None = None) -> HookedArcee:
+                       n_devices: int | None = None, *, build: Build) -> HookedModel:
     """From an in-memory `ArceeForCausalLM`; the weights are copied. `n_devices` spreads the layers
     over that many GPUs from `device` (cuda:0 by default), as TransformerLens does."""
     dtype, device = resolve_dtype(dtype), _checked_device(device, n_devices)
@@ -256,7 +257,7 @@ def load_from_hf_model(hf_model, dtype: torch.dtype | str | None = None, device=
     device = device or (first.device if n_devices is None else None)
     cfg.dtype = dtype
     placement, devices = _placement(cfg, device, n_devices)
-    model = _build_on_meta(cfg)
+    model = build(cfg)
     state = convert_arcee_state_dict(hf_model.state_dict(), cfg)
     triples = ((type(hf_model).__name__, name, tensor.detach().clone()) for name, tensor in state.items())
     stream_into(model, triples, rename=lambda name: name, dtype=dtype, device=placement)
@@ -264,7 +265,8 @@ def load_from_hf_model(hf_model, dtype: torch.dtype | str | None = None, device=
 
 
 def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | str | None = None, device=None,
-                          progress: bool | None = None, n_devices: int | None = None) -> HookedArcee:
+                          progress: bool | None = None, n_devices: int | None = None, *,
+                          build: Build) -> HookedModel:
     """From an HF directory: config.json, safetensors shards (or a weights-only pickle), tokenizer.
     With `n_devices`, each tensor streams straight to its layer's GPU."""
     dtype, device = resolve_dtype(dtype), _checked_device(device, n_devices)
@@ -280,7 +282,7 @@ def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | str | None = None, de
     cfg.dtype = dtype
     placement, devices = _placement(cfg, device, n_devices)
     files = weight_files(directory)
-    model = _build_on_meta(cfg)
+    model = build(cfg)
     if progress is None:
         progress = sys.stderr.isatty()
     bar = tqdm(total=checkpoint_bytes(files), unit="B", unit_scale=True, desc="loading", disable=not progress)
@@ -296,7 +298,7 @@ def load_arcee_checkpoint(path_or_id, dtype: torch.dtype | str | None = None, de
     return model
 
 
-def save_arcee_checkpoint(model: HookedArcee, path, max_shard_size: int | str = "5GB") -> None:
+def save_arcee_checkpoint(model: HookedModel, path, max_shard_size: int | str = "5GB") -> None:
     """config.json + safetensors (sharded past `max_shard_size`) + the tokenizer, for transformers."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from torch import Tensor
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.components.rotary import apply_rotary
 from hooked_models.hooks import HookedModule, ValueHook
-from hooked_models.transformer_lens_compat import FactoredMatrix, per_head_in, per_head_out
+from hooked_models.weight_views import FactoredMatrix, per_head_in, per_head_out
 from hooked_models.vocabulary import declare_values
 
 

@@ -6,43 +6,14 @@ agree bit for bit in float32.
 """
 
 import math
-from dataclasses import dataclass
-
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from hooked_models.config import ROPE_TYPES, RopeConfig
 from hooked_models.hooks import HookedModule
 
-ROPE_TYPES = ("default", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary parameters, with transformers' names and defaults.
-
-    `factor` is YaRN's stretch. When it disagrees with max_position_embeddings /
-    original_max_position_embeddings (AFM-4.5B: 20 against 65536/4096 = 16), the explicit factor
-    wins, as in transformers.
-    """
-
-    rope_type: str = "default"
-    theta: float = 10000.0
-    factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
-        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
-            raise ValueError("yarn rotary needs original_max_position_embeddings")
-
+__all__ = ["ROPE_TYPES", "RopeConfig", "RotaryEmbedding", "apply_rotary", "rope_frequencies", "rotate_half"]
 
 def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[Tensor, float]:
     """Inverse frequencies [dim/2] and the factor cos and sin are scaled by."""

@@ -13,8 +13,6 @@ bottleneck; `score_mod.attention_raw_scores` (before the cap); `mlp.mlp_expert_i
 Reference: the alpha-er reference implementation in shared/seeds (004_*.txt).
 """
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
@@ -31,7 +29,7 @@ from hooked_models.components import (
 )
 from hooked_models.components.attention import causal_mask
 from hooked_models.components.kv_cache import KeyValueCache
-from hooked_models.config import TransformerLensFields
+from hooked_models.config import REFERENCE_FIELDS, AlphaErConfig
 from hooked_models.generation import PaddedWindowDecoder
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
@@ -44,75 +42,6 @@ ALPHA_ER_VALUES = declare_values("model", [
      "the child module embed_positions's output", dict(tl="hook_pos_embed")),
 ])
 
-
-@dataclass
-class AlphaErConfig(TransformerLensFields):
-    """The reference config's fields (names as in the checkpoint header) and defaults.
-
-    The standardized names (`num_layers`, `hidden_size`, ...) and TransformerLens's (`n_layers`,
-    `d_model`, ...) are read-only properties over them.
-    """
-
-    vocab_size: int = 12288
-    block_size: int = 512
-    n_layer: int = 2
-    n_embd: int = 1024
-    n_head: int = 8
-    ffn_dim: int = 20480
-    mlp_experts: int = 64
-    lm_head_rank: int = 128
-    attn_rank: int = 128
-    attn_soft_cap: float = 30.0
-    layer_norm_eps: float = 1e-5
-    dtype: torch.dtype | str = torch.float32  # or a name ("bfloat16", "bf16"): hooked_models.dtypes
-    device: str | torch.device = "cpu"
-    model_name: str = "alpha-er"
-
-    def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "ffn_dim", "mlp_experts",
-                     "lm_head_rank", "attn_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.attn_soft_cap < 0:
-            raise ValueError(f"attn_soft_cap={self.attn_soft_cap} must be >= 0 (0 turns the cap off)")
-        if self.layer_norm_eps <= 0:
-            raise ValueError(f"layer_norm_eps={self.layer_norm_eps} must be > 0")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.ffn_dim % self.mlp_experts:
-            raise ValueError(f"ffn_dim={self.ffn_dim} is not divisible by mlp_experts={self.mlp_experts}: "
-                             "each expert is ffn_dim/mlp_experts wide")
-        if self.block_size % self.mlp_experts:
-            raise ValueError(f"block_size={self.block_size} is not divisible by mlp_experts={self.mlp_experts}: "
-                             "generation pads to block_size, which must split into mlp_experts windows")
-
-    # The standardized names.
-    num_layers = property(lambda self: self.n_layer)
-    hidden_size = property(lambda self: self.n_embd)
-    num_heads = property(lambda self: self.n_head)
-    num_kv_heads = property(lambda self: self.n_head)
-    head_dim = property(lambda self: self.n_embd // self.n_head)
-    qk_head_dim = property(lambda self: self.n_embd // self.n_head)
-    intermediate_size = property(lambda self: self.ffn_dim)
-    expert_width = property(lambda self: self.ffn_dim // self.mlp_experts)
-    max_position_embeddings = property(lambda self: self.block_size)
-
-    # TransformerLens's names beyond the shared ones (TransformerLensFields).
-    eps = property(lambda self: self.layer_norm_eps)
-    act_fn = property(lambda self: "gelu_new")  # TransformerLens's name for the tanh approximation
-    normalization_type = property(lambda self: "LN")
-    positional_embedding_type = property(lambda self: "standard")
-    final_rms = property(lambda self: False)
-    original_architecture = property(lambda self: "AlphaErForCausalLM")
-
-    def reference_fields(self) -> dict:
-        """The fields the reference config and the checkpoint header carry."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in REFERENCE_FIELDS}
-
-
-REFERENCE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "ffn_dim", "mlp_experts",
-                    "lm_head_rank", "attn_rank", "attn_soft_cap", "layer_norm_eps")
 
 # The released alpha-er: the reference's defaults (2 layers, 1024 wide, 64 experts of 320, ranks 128).
 ALPHA_ER = AlphaErConfig()
@@ -262,7 +191,7 @@ class HookedAlphaEr(HookedModel):
         the devices there are)."""
         from weight_conversion.alpha_er import load_from_reference
 
-        return load_from_reference(module, dtype=dtype, device=device)
+        return load_from_reference(module, dtype=dtype, device=device, build=_build_on_meta)
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None) -> "HookedAlphaEr":
@@ -277,7 +206,8 @@ class HookedAlphaEr(HookedModel):
         from hooked_models.embedded import resolve_embedded
         from weight_conversion.alpha_er import load_alpha_er_checkpoint
 
-        return load_alpha_er_checkpoint(resolve_embedded(path, "alpha_er"), dtype=dtype, device=device)
+        return load_alpha_er_checkpoint(resolve_embedded(path, "alpha_er"), dtype=dtype, device=device,
+                                        build=_build_on_meta)
 
     def save_pretrained(self, path) -> None:
         """Write the reference's checkpoint format: safetensors, config fields in the header metadata.
@@ -286,3 +216,9 @@ class HookedAlphaEr(HookedModel):
         from weight_conversion.alpha_er import save_alpha_er_checkpoint
 
         save_alpha_er_checkpoint(self, path)
+
+
+def _build_on_meta(cfg: AlphaErConfig) -> HookedAlphaEr:
+    """The model with no storage yet (meta device): the loaders stream each tensor into it."""
+    with torch.device("meta"):
+        return HookedAlphaEr(cfg)

@@ -9,8 +9,6 @@ Reference: transformers `models/arcee/modeling_arcee.py`; the nnterp family page
 """
 
 import os
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
@@ -22,61 +20,14 @@ from hooked_models.components import (
     PreNormBlock,
     ReLUSquared,
     RMSNorm,
-    RopeConfig,
     RotaryEmbedding,
     UngatedMLP,
 )
 from hooked_models.components.attention import causal_mask
-from hooked_models.config import TransformerLensFields
+from hooked_models.config import ArceeConfig, RopeConfig
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
-
-
-@dataclass
-class ArceeConfig(TransformerLensFields):
-    """The standardized fields of the family page, plus what the family needs.
-
-    TransformerLens's names for the same fields (`n_layers`, `d_model`, ...) are read-only properties.
-    """
-
-    num_layers: int = 36
-    hidden_size: int = 2560
-    num_heads: int = 20
-    num_kv_heads: int = 4
-    head_dim: int = 128
-    vocab_size: int = 128004
-    intermediate_size: int = 18432
-    max_position_embeddings: int = 65536
-    rms_norm_eps: float = 1e-5
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-    dtype: torch.dtype | str = torch.float32  # or a name ("bfloat16", "bf16"): hooked_models.dtypes
-    device: str | torch.device = "cpu"
-    model_name: str = "arcee"
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.head_dim
-
-    # TransformerLens's names beyond the shared ones (TransformerLensFields).
-    eps = property(lambda self: self.rms_norm_eps)
-    act_fn = property(lambda self: "relu2")
-    normalization_type = property(lambda self: "RMS")
-    positional_embedding_type = property(lambda self: "rotary")
-    rotary_base = property(lambda self: self.rope.theta)
-    rotary_dim = property(lambda self: self.head_dim)
-    final_rms = property(lambda self: True)
-    original_architecture = property(lambda self: "ArceeForCausalLM")
 
 
 # arcee-ai/AFM-4.5B: YaRN factor 20 over 4096 original positions, stretched to 65536.
@@ -166,7 +117,7 @@ class HookedArcee(HookedModel):
         exist here ("cuda" without CUDA is a ValueError naming the devices there are)."""
         from weight_conversion.arcee import load_from_hf_model
 
-        return load_from_hf_model(hf_model, dtype=dtype, device=device, n_devices=n_devices)
+        return load_from_hf_model(hf_model, dtype=dtype, device=device, n_devices=n_devices, build=_build_on_meta)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = None, device=None,
@@ -185,10 +136,16 @@ class HookedArcee(HookedModel):
         from weight_conversion.arcee import load_arcee_checkpoint
 
         return load_arcee_checkpoint(resolve_embedded(path_or_id, "arcee"), dtype=dtype, device=device,
-                                     progress=progress, n_devices=n_devices)
+                                     progress=progress, n_devices=n_devices, build=_build_on_meta)
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
         """Write an HF checkpoint (config.json + safetensors) that `ArceeForCausalLM` loads."""
         from weight_conversion.arcee import save_arcee_checkpoint
 
         save_arcee_checkpoint(self, path, max_shard_size=max_shard_size)
+
+
+def _build_on_meta(cfg: ArceeConfig) -> HookedArcee:
+    """The model with no storage yet (meta device): the loaders stream each tensor into it."""
+    with torch.device("meta"):
+        return HookedArcee(cfg)

@@ -195,7 +195,7 @@ def test_unsupported_rope_type(checkpoint):
 
 def test_load_builds_on_meta_and_allocates_once(checkpoint, monkeypatch):
     """The model is built on the meta device: no parameter is allocated before its tensor is read."""
-    import weight_conversion.arcee as arcee
+    import hooked_models.families.arcee as arcee
 
     built = {}
     original = arcee._build_on_meta
