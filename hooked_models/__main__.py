@@ -1,4 +1,4 @@
-"""The command line: corpus-scale runs (hooked_models/corpus.py).
+"""The command line: corpus-scale runs (hooked_models/corpus/).
 
     python -m hooked_models harvest --model embedded --names layers.1.layer_output --dataset PATH --out DIR
     python -m hooked_models harvest ... --engine ray --workers 2

@@ -1,4 +1,4 @@
-"""Corpus-scale runs (hooked_models/corpus.py): a harvest's columns are the model's cached values bit for
+"""Corpus-scale runs (hooked_models/corpus/): a harvest's columns are the model's cached values bit for
 bit, only the layers needed run, text is packed as SAELens packs it, a killed harvest finishes on rerun
 with the bytes of an uninterrupted one, a harvest of another job is refused, and patching over a dataset
 is the mean over its pairs. The Ray engine's tests are in test_corpus_ray.py."""

@@ -1,4 +1,4 @@
-"""The Ray engine of hooked_models/corpus.py on a local cluster (`ray.init(num_cpus=2)`, joined by the
+"""The Ray engine of hooked_models/corpus/ on a local cluster (`ray.init(num_cpus=2)`, joined by the
 runs, or started and stopped by one when none runs): its output is the local engine's bit for bit, and a
 worker killed mid-run is replaced with no shard missing or written twice."""
 

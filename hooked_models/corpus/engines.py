@@ -1,0 +1,97 @@
+"""Where the units of a corpus run execute: "local" (this process) or "ray" (Ray Data's `map_batches` over an
+actor pool, one model replica per actor). One callable class does a unit per call under either engine;
+Ray is imported only for engine="ray"."""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from hooked_models.corpus.source import ModelSource
+
+ENGINES = ("local", "ray")
+# Ray actors reserve part of a CPU: whole CPUs per actor starve the read stage on a small machine.
+ACTOR_CPUS = 0.5
+
+
+def check_engine(engine: str, num_workers: int) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {', '.join(ENGINES)}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers={num_workers!r} must be a positive integer")
+    if engine == "local" and num_workers != 1:
+        raise ValueError(f"engine='local' runs one worker in this process; num_workers={num_workers} "
+                         "needs engine='ray'")
+
+
+def run(worker_cls, model, plan, items: list[dict], engine: str, num_workers: int) -> Iterator[dict]:
+    """Each item through `worker_cls(model, plan)`, one item per call; yields each call's output row
+    as it completes (in any order under Ray)."""
+    if engine == "local":
+        worker = worker_cls(model, plan)
+        for item in items:
+            yield _first_row(worker({k: np.asarray([v]) for k, v in item.items()}))
+        return
+    with ray_cluster() as ray:
+        context = ray.data.DataContext.get_current()
+        bars, context.enable_progress_bars = context.enable_progress_bars, False
+        try:
+            resources = {"num_gpus": 1} if ray.cluster_resources().get("GPU", 0) > 0 else {}
+            units = ray.data.from_items(items, override_num_blocks=min(len(items), 10000))
+            results = units.map_batches(
+                worker_cls, fn_constructor_kwargs={"model": model, "plan": plan}, batch_size=1,
+                compute=ray.data.ActorPoolStrategy(size=num_workers), num_cpus=ACTOR_CPUS, **resources)
+            yield from results.iter_rows()
+        finally:
+            context.enable_progress_bars = bars
+
+
+def _first_row(batch: dict) -> dict:
+    return {k: v[0] for k, v in batch.items()}
+
+
+@contextmanager
+def ray_cluster():
+    """Ray, joined to the running cluster (this process's `ray.init`, or RAY_ADDRESS), else a local
+    one started for the call and shut down after it."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ImportError("engine='ray' needs Ray Data: pip install 'ray[data]' "
+                          "(or this package's corpus extra)") from None
+    started = not ray.is_initialized()
+    if started:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"])
+        else:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _worker_device() -> str:
+    """A Ray actor's device: the GPU Ray gave it, else the CPU."""
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.get_gpu_ids():
+            return "cuda"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+class Worker:
+    """Loads its replica once (or takes the model object, locally) and computes with the driver's
+    torch thread count, so a worker's arithmetic is the local run's."""
+
+    def __init__(self, model, plan):
+        torch.set_num_threads(plan.threads)
+        self.plan = plan
+        self.model = model.load(_worker_device()) if isinstance(model, ModelSource) else model
