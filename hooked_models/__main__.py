@@ -3,15 +3,45 @@
     python -m hooked_models harvest --model embedded --names layers.1.layer_output --dataset PATH --out DIR
     python -m hooked_models harvest ... --engine ray --workers 2
     python -m hooked_models patch --model embedded --pairs PATH --value layer_input --over layer seq
+
+A user's error (a bad value, a missing file, an unknown name) is one line, in this command line's words
+(`--context-size`, not the Python API's `context_size`); `--debug` shows the traceback instead. The
+library (torch, TransformerLens) is imported only once the arguments are parsed, so --help is quick.
 """
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
-from hooked_models import corpus
-from hooked_models.dtypes import dtype_argument
+from hooked_models.corpus import ENGINES
+
+# The Python API's argument names and the flags that set them: its messages are told in the flags' words.
+FLAGS = {"context_size": "--context-size", "batch_size": "--batch-size", "shard_size": "--shard-size",
+         "num_workers": "--workers", "chunk_size": "--chunk-size", "engine": "--engine", "family": "--family",
+         "dtype": "--dtype", "column": "--column", "out": "--out", "dataset": "--dataset", "names": "--names",
+         "pairs": "--pairs", "value": "--value", "over": "--over", "direction": "--direction"}
+# API words that only ever mean their flag, also without a value (`context_size is needed ...`).
+_BARE = ("context_size", "batch_size", "shard_size", "num_workers", "chunk_size")
+_ASSIGNED = re.compile(rf"\b({'|'.join(FLAGS)})=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)")
+
+
+def cli_words(message: str) -> str:
+    """An API message in the command line's words, on one line: `context_size=17` -> `--context-size 17`,
+    `pass resume=True` -> `drop --no-resume` (the command line resumes unless told not to)."""
+    message = message.replace("pass resume=True", "drop --no-resume")
+    message = _ASSIGNED.sub(lambda m: FLAGS[m.group(1)] + " " + m.group(2).strip("'\""), message)
+    message = re.sub(rf"(?<![\w-])({'|'.join(_BARE)})\b", lambda m: FLAGS[m.group(1)], message)
+    return " ".join(message.split())
+
+
+def _dtype(name: str):
+    """--dtype's type: a torch dtype by name (torch imported only when the flag is given)."""
+    from hooked_models.dtypes import dtype_argument
+
+    return dtype_argument(name)
+
 
 COMMON = """
 --model is a checkpoint path (an HF Arcee directory, an alpha-er file or directory: the family is
@@ -29,14 +59,16 @@ def _command(commands, name: str, summary: str, description: str) -> argparse.Ar
                         help="checkpoint path, 'embedded', or a Hub id in the local cache")
     parser.add_argument("--family", choices=("arcee", "alpha_er", "alpha-er"), default=None,
                         help="the family 'embedded' means (default: arcee); a path's family is detected")
-    parser.add_argument("--dtype", type=dtype_argument, default=None, metavar="DTYPE",
+    parser.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                         help="dtype the model runs in (default: the checkpoint's)")
-    parser.add_argument("--engine", choices=corpus.ENGINES, default="local",
+    parser.add_argument("--engine", choices=ENGINES, default="local",
                         help="'local': this process; 'ray': an actor pool of --workers replicas (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1,
                         help="model replicas with --engine ray, one GPU each where the cluster has GPUs "
                              "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the traceback instead of the one-line message")
     return parser
 
 
@@ -106,28 +138,68 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    progress = False if args.no_progress else None
-    if args.command == "harvest":
-        summary = corpus.harvest(
-            args.model, _dataset(args.dataset), args.names, args.out, context_size=args.context_size,
-            batch_size=args.batch_size, dtype=args.dtype, engine=args.engine, num_workers=args.workers,
-            resume=not args.no_resume, progress=progress, shard_size=args.shard_size, column=args.column,
-            family=args.family)
-        print(summary)
-        return 0
+    """Run the command line; 0 on success, 2 for a user's error (one line on stderr), 130 on Ctrl-C."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from hooked_models.corpus.store import HarvestInProgress
+
+    try:
+        return _harvest(args) if args.command == "harvest" else _patch(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        if args.command == "harvest":
+            print(f"\ninterrupted: the shards done are kept in {args.out}; run the same command again to resume",
+                  file=sys.stderr)
+        else:
+            print("\ninterrupted: patch keeps nothing of an unfinished run", file=sys.stderr)
+        return 130
+    except (ValueError, KeyError, ImportError, OSError, HarvestInProgress) as error:
+        if args.debug:
+            raise
+        message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        print(f"{parser.prog} {args.command}: error: {cli_words(str(message))} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+def _harvest(args) -> int:
+    from hooked_models import corpus
+
+    summary = corpus.harvest(
+        args.model, _dataset(args.dataset), args.names, args.out, context_size=args.context_size,
+        batch_size=args.batch_size, dtype=args.dtype, engine=args.engine, num_workers=args.workers,
+        resume=not args.no_resume, progress=False if args.no_progress else None, shard_size=args.shard_size,
+        column=args.column, family=args.family)
+    print(cli_words(str(summary)))
+    return 0
+
+
+def _patch(args) -> int:
+    from hooked_models import corpus
+    from hooked_models.corpus.engines import pool_size
+
     began = time.perf_counter()
     result = corpus.patch(args.model, args.pairs, args.value, args.over, engine=args.engine,
-                          num_workers=args.workers, chunk_size=args.chunk_size, progress=progress,
-                          family=args.family, dtype=args.dtype, direction=args.direction)
+                          num_workers=args.workers, chunk_size=args.chunk_size,
+                          progress=False if args.no_progress else None, family=args.family, dtype=args.dtype,
+                          direction=args.direction)
     seconds = time.perf_counter() - began
     print(f"{result.method} of {result.value} ({result.direction}) over {' x '.join(result.axes) or 'nothing'}, "
           f"mean over {result.pairs} pairs: clean {result.clean_metric:.4g}, corrupted {result.corrupted_metric:.4g}")
-    for label, value in result.top(args.top):
+    # Only locations whose patch moves the metric: the list is not padded with ones that change nothing.
+    moved = int((result.effect() != 0).sum())
+    for label, value in result.top(min(args.top, moved)):
         print(f"  {label:<24} {value:.4g}")
+    if moved < min(args.top, result.values.numel()):
+        print(f"  (the other {result.values.numel() - moved} locations: no effect)")
+    chunks = -(-result.pairs // args.chunk_size)
+    workers = pool_size(args.workers, chunks)
+    ran = f"{workers} worker{'s' if workers > 1 else ''}"
+    if workers < args.workers:
+        ran += f" (--workers {args.workers}, but {chunks} chunk{'s' if chunks > 1 else ''} of --chunk-size {args.chunk_size})"
     print(f"patched {result.values.numel()} locations on {result.pairs} pairs ({result.tokens} prompt tokens) in "
-          f"{seconds:.1f} s: {result.tokens / seconds:,.0f} tokens/s "
-          f"({args.engine}, {args.workers} worker{'s' if args.workers > 1 else ''})")
+          f"{seconds:.1f} s: {result.tokens / seconds:,.0f} tokens/s ({args.engine}, {ran})")
     if args.save:
         import dataclasses
 

@@ -518,6 +518,10 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
     def max_positions(self) -> int:
         return self.cfg.n_ctx
 
+    def length_problem(self, seq: int) -> str | None:
+        """Why the model does not compute at sequence length `seq` (None if it does); families add rules."""
+        return f"{seq} positions exceed the model's {self.max_positions}" if seq > self.max_positions else None
+
     def _prepare_inputs(self, input, attention_mask, prepend_bos: bool | None = None,
                         padding_side: str | None = None, past: int = 0):
         """Tokens and mask, checked: a clear ValueError for anything the model cannot run. Text is

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from hooked_models.components.kv_cache import KeyValueCache
 from hooked_models.devices import free_memory
 from hooked_models.hooks import ValueHook
-from hooked_models.vocabulary import POSITION_DIMS, Value
+from hooked_models.vocabulary import POSITION_DIMS, Value, nearest_values
 
 Metric = Callable[[Float[Tensor, "batch seq vocab_size"]], Tensor]
 
@@ -128,7 +128,10 @@ def find_sites(model, value: str) -> list[Site]:
             names = [n for n in points if n.endswith("." + value)]
     if not names:
         known = sorted({p.value.name for p in points.values()})
-        raise ValueError(f"{type(model).__name__} has no value {value!r}; it has {', '.join(known)}")
+        short = {alias.rpartition(".")[2].removeprefix("hook_") for alias in model.aliases}  # resid_pre, z
+        close = nearest_values(value, [*known, *sorted(short - set(known))])
+        hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"it has {', '.join(known)}"
+        raise ValueError(f"{type(model).__name__} has no value {value!r}; {hint}")
     sites = []
     for name in names:
         match = _LAYER.search(name)

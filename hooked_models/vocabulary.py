@@ -10,6 +10,7 @@ The standard names and layouts are those of the nnterp family page for Arcee
 alpha-er's bottlenecks) are declared in the same form: components here, families in their own file.
 """
 
+import difflib
 import html
 import re
 from dataclasses import dataclass, field
@@ -380,3 +381,12 @@ class Support:
             cells = (row.module, *self._cells(row))
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines)
+
+
+def nearest_values(word: str, names) -> list[str]:
+    """The value names among `names` that `word` most likely means: its synonym's (SYNONYMS: `pattern`,
+    `resid_pre`), else up to three close spellings (`layer_inptu` -> `layer_input`)."""
+    names = list(names)
+    key = word.rpartition(".")[2].removeprefix("hook_").lower()
+    meant = [name for name in SYNONYMS.get(key, ()) if name in names]
+    return meant[:1] or difflib.get_close_matches(key, names, n=3, cutoff=0.75)

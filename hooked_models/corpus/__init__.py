@@ -21,27 +21,61 @@ so the output is the same bytes whichever engine, worker count or interruption p
 
 One module per concern, each importing only those listed before it (the contract in pyproject.toml):
 source (the model), data (the corpus read and packed), engines (local and Ray), store (the harvest's
-directory: windows, shards, manifest, lock), harvester (`harvest`), patcher (`patch`).
+directory: windows, shards, manifest, lock), harvester (`harvest`), patcher (`patch`). The public names
+below are imported from them on first use, so the command line's --help imports no torch.
 """
 
-from hooked_models.corpus.data import TEXT_COLUMNS, TOKEN_COLUMNS, pack
-from hooked_models.corpus.engines import ACTOR_CPUS, ENGINES
-from hooked_models.corpus.harvester import SHARD_BYTES, STORAGE, HarvestPlan, HarvestSummary, HarvestWorker, harvest
-from hooked_models.corpus.patcher import (
-    METRICS,
-    PAIR_COLUMNS,
-    CorpusPatchingResult,
-    PatchPlan,
-    PatchWorker,
-    logit_diff,
-    patch,
-)
-from hooked_models.corpus.source import ModelSource, load_model, model_identity
-from hooked_models.corpus.store import FORMAT, IDENTITY, MANIFEST, SHARD_FILE, WINDOWS, read_windows, shard_file
 
-__all__ = [
-    "ACTOR_CPUS", "ENGINES", "FORMAT", "IDENTITY", "MANIFEST", "METRICS", "PAIR_COLUMNS", "SHARD_BYTES", "SHARD_FILE",
-    "STORAGE", "TEXT_COLUMNS", "TOKEN_COLUMNS", "WINDOWS", "CorpusPatchingResult", "HarvestPlan", "HarvestSummary",
-    "HarvestWorker", "ModelSource", "PatchPlan", "PatchWorker", "harvest", "load_model", "logit_diff",
-    "model_identity", "pack", "patch", "read_windows", "shard_file",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+ENGINES = ("local", "ray")
+
+# Each public name and the module that defines it.
+_PUBLIC = {
+    **dict.fromkeys(("TEXT_COLUMNS", "TOKEN_COLUMNS", "pack"), "data"),
+    **dict.fromkeys(("ACTOR_CPUS",), "engines"),
+    **dict.fromkeys(("SHARD_BYTES", "STORAGE", "HarvestPlan", "HarvestSummary", "HarvestWorker", "harvest"),
+                    "harvester"),
+    **dict.fromkeys(("METRICS", "PAIR_COLUMNS", "CorpusPatchingResult", "PatchPlan", "PatchWorker", "logit_diff",
+                     "patch"), "patcher"),
+    **dict.fromkeys(("ModelSource", "load_model", "model_identity"), "source"),
+    **dict.fromkeys(("FORMAT", "IDENTITY", "MANIFEST", "SHARD_FILE", "WINDOWS", "read_windows", "shard_file"),
+                    "store"),
+}
+__all__ = sorted(["ENGINES", *_PUBLIC])
+
+if TYPE_CHECKING:
+    from hooked_models.corpus.data import TEXT_COLUMNS, TOKEN_COLUMNS, pack
+    from hooked_models.corpus.engines import ACTOR_CPUS
+    from hooked_models.corpus.harvester import (
+        SHARD_BYTES,
+        STORAGE,
+        HarvestPlan,
+        HarvestSummary,
+        HarvestWorker,
+        harvest,
+    )
+    from hooked_models.corpus.patcher import (
+        METRICS,
+        PAIR_COLUMNS,
+        CorpusPatchingResult,
+        PatchPlan,
+        PatchWorker,
+        logit_diff,
+        patch,
+    )
+    from hooked_models.corpus.source import ModelSource, load_model, model_identity
+    from hooked_models.corpus.store import FORMAT, IDENTITY, MANIFEST, SHARD_FILE, WINDOWS, read_windows, shard_file
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'hooked_models.corpus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hooked_models.corpus.{_PUBLIC[name]}"), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

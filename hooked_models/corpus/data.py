@@ -184,7 +184,6 @@ def window_batches(source: Corpus, model, context_size: int | None) -> tuple[Ite
 def _check_context(model, context_size: int) -> None:
     if isinstance(context_size, bool) or not isinstance(context_size, int) or context_size < 1:
         raise ValueError(f"context_size={context_size!r} must be a positive integer")
-    try:
-        model._check_sequence(context_size, None)
-    except ValueError as error:
-        raise ValueError(f"context_size={context_size}: {error}") from None
+    problem = model.length_problem(context_size)
+    if problem is not None:
+        raise ValueError(f"context_size={context_size}: {problem}; choose a context_size the model computes at")

@@ -9,9 +9,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from hooked_models.corpus import ENGINES
 from hooked_models.corpus.source import ModelSource
-
-ENGINES = ("local", "ray")
 # Ray actors reserve part of a CPU: whole CPUs per actor starve the read stage on a small machine.
 ACTOR_CPUS = 0.5
 
@@ -26,9 +25,15 @@ def check_engine(engine: str, num_workers: int) -> None:
                          "needs engine='ray'")
 
 
+def pool_size(num_workers: int, units: int) -> int:
+    """The workers a run starts: `num_workers`, but no more than there are units of work to give them."""
+    return max(1, min(num_workers, units))
+
+
 def run(worker_cls, model, plan, items: list[dict], engine: str, num_workers: int) -> Iterator[dict]:
     """Each item through `worker_cls(model, plan)`, one item per call; yields each call's output row
-    as it completes (in any order under Ray)."""
+    as it completes (in any order under Ray). The pool has `pool_size(num_workers, len(items))` actors:
+    a replica with no unit to take would load the model and idle."""
     if engine == "local":
         worker = worker_cls(model, plan)
         for item in items:
@@ -42,7 +47,7 @@ def run(worker_cls, model, plan, items: list[dict], engine: str, num_workers: in
             units = ray.data.from_items(items, override_num_blocks=min(len(items), 10000))
             results = units.map_batches(
                 worker_cls, fn_constructor_kwargs={"model": model, "plan": plan}, batch_size=1,
-                compute=ray.data.ActorPoolStrategy(size=num_workers), num_cpus=ACTOR_CPUS, **resources)
+                compute=ray.data.ActorPoolStrategy(size=pool_size(num_workers, len(items))), num_cpus=ACTOR_CPUS, **resources)
             yield from results.iter_rows()
         finally:
             context.enable_progress_bars = bars
@@ -67,6 +72,9 @@ def ray_cluster():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
+            # Token authentication is Ray's default for a cluster it starts; saying so explicitly (unless the
+            # user chose) keeps it on and stops Ray warning on every run that it turned it on.
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
     try:
         yield ray

@@ -18,7 +18,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from hooked_models.corpus.data import read_corpus, require_datasets, window_batches
-from hooked_models.corpus.engines import Worker, check_engine, run
+from hooked_models.corpus.engines import Worker, check_engine, pool_size, run
 from hooked_models.corpus.source import model_identity, resolve_model
 from hooked_models.corpus.store import (
     FORMAT,
@@ -126,7 +126,11 @@ class HarvestSummary:
     seconds: float
     layers_run: int | None
     engine: str
-    num_workers: int
+    num_workers: int  # as asked; `workers` ran (no more than the shards to run)
+
+    @property
+    def workers(self) -> int:
+        return pool_size(self.num_workers, self.shards_run)
 
     @property
     def tokens(self) -> int:
@@ -148,8 +152,12 @@ class HarvestSummary:
                 f"tokens, {self.shards} shards{f', {resumed} resumed' if resumed else ''})")
         if self.shards_run == 0:
             return f"the harvest in {self.out} of {what} was already complete: nothing to run"
+        workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
+        if self.workers < self.num_workers:
+            workers += (f" (num_workers={self.num_workers}, but {self.shards_run} shard{'s' if self.shards_run > 1 else ''}"
+                        " to run: a worker takes a shard at a time)")
         return (f"harvested {what} into {self.out} in {self.seconds:.1f} s: {self.tokens_per_second:,.0f} tokens/s "
-                f"({self.engine}, {self.num_workers} worker{'s' if self.num_workers > 1 else ''}, {layers} run)")
+                f"({self.engine}, {workers}, {layers} run)")
 
 
 def _names(model, names) -> tuple[str, ...]:
@@ -224,7 +232,8 @@ def harvest(
     dtype: the dtype the model runs in (default: the checkpoint's); activations are stored in it, bfloat16
       as float32 (Arrow has no bfloat16; the widening is exact).
     engine: "local" (this process) or "ray" (an actor pool of `num_workers` replicas on the running Ray
-      cluster, or on a local one; one GPU each where the cluster has GPUs). The output is the same bytes.
+      cluster, or on a local one; one GPU each where the cluster has GPUs; no more replicas than shards to
+      run). The output is the same bytes.
     resume: continue the harvest already in `out` (refused if it is another model, config, corpus, names,
       dtype or size); False refuses a non-empty `out`.
     shard_size: rows per shard file, the unit of work a worker takes (default: about 64 MiB of

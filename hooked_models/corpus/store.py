@@ -120,6 +120,10 @@ def clear_leftovers(out: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+class HarvestInProgress(RuntimeError):
+    """Another harvest holds the directory's lock."""
+
+
 @contextmanager
 def locked(out: Path):
     """One harvest at a time per directory (a killed one leaves no lock: the kernel drops it)."""
@@ -127,7 +131,8 @@ def locked(out: Path):
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"another harvest is writing to {out}") from None
+            raise HarvestInProgress(f"another harvest is writing to {out}; wait for it to finish, or harvest "
+                                    "into another directory") from None
         yield
 
 

@@ -124,19 +124,28 @@ class HookedAlphaEr(HookedModel):
             projections += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
         return pairs + [(proj.norm, [(proj, "up", "up_bias")]) for proj in projections]
 
+    def length_problem(self, seq: int) -> str | None:
+        """Why alpha-er does not compute at length `seq` (None if it does): it computes at multiples of
+        mlp_experts up to block_size."""
+        cfg = self.cfg
+        if seq > cfg.block_size:
+            return (f"sequence length {seq} is longer than block_size={cfg.block_size}, the number of learned "
+                    "positions")
+        if seq % cfg.mlp_experts:
+            return (f"sequence length {seq} is not a multiple of mlp_experts={cfg.mlp_experts}: the expert of "
+                    f"position t is floor(t·{cfg.mlp_experts}/T), so the model reproduces its training behaviour "
+                    "only at such lengths")
+        return None
+
     def check_length(self, seq: int) -> None:
         """A ValueError unless `seq` is a length alpha-er computes at: a multiple of mlp_experts, <= block_size."""
-        cfg = self.cfg
-        todo = (f"pad the input to block_size ({cfg.block_size}) and read the logits at the last real "
-                "position (attention is causal, so padding after the prompt cannot change them); "
-                "model.generate does this")
-        if seq > cfg.block_size:
-            raise ValueError(f"sequence length {seq} is longer than block_size={cfg.block_size}, the number of "
-                             f"learned positions; keep the last {cfg.block_size} tokens, or {todo}")
-        if seq % cfg.mlp_experts:
-            raise ValueError(f"sequence length {seq} is not a multiple of mlp_experts={cfg.mlp_experts}: the "
-                             f"expert of position t is floor(t·{cfg.mlp_experts}/T), so the model reproduces "
-                             f"its training behaviour only at such lengths; {todo}")
+        problem = self.length_problem(seq)
+        if problem is None:
+            return
+        keep = f"keep the last {self.cfg.block_size} tokens, or " if seq > self.cfg.block_size else ""
+        raise ValueError(f"{problem}; {keep}pad the input to block_size ({self.cfg.block_size}) and read the logits "
+                         "at the last real position (attention is causal, so padding after the prompt cannot "
+                         "change them); model.generate does this")
 
     def _check_sequence(self, seq: int, attention_mask: Tensor | None, past: int = 0) -> None:
         # With a key/value cache the sequence is the cached positions and the new ones.
