@@ -197,7 +197,8 @@ def _patch(args) -> int:
     workers = pool_size(args.workers, chunks)
     ran = f"{workers} worker{'s' if workers > 1 else ''}"
     if workers < args.workers:
-        ran += f" (--workers {args.workers}, but {chunks} chunk{'s' if chunks > 1 else ''} of --chunk-size {args.chunk_size})"
+        ran += (f" (--workers {args.workers}, but {chunks} chunk{'s' if chunks > 1 else ''} of --chunk-size "
+                f"{args.chunk_size})")
     print(f"patched {result.values.numel()} locations on {result.pairs} pairs ({result.tokens} prompt tokens) in "
           f"{seconds:.1f} s: {result.tokens / seconds:,.0f} tokens/s ({args.engine}, {ran})")
     if args.save:

@@ -29,7 +29,7 @@ from hooked_models.components import (
 )
 from hooked_models.components.attention import causal_mask
 from hooked_models.components.kv_cache import KeyValueCache
-from hooked_models.config import REFERENCE_FIELDS, AlphaErConfig
+from hooked_models.config import REFERENCE_FIELDS, AlphaErConfig  # noqa: F401 (REFERENCE_FIELDS was defined here)
 from hooked_models.generation import PaddedWindowDecoder
 from hooked_models.hooks import ValueHook
 from hooked_models.model import HookedModel
