@@ -43,6 +43,13 @@ def _dtype(name: str):
     return dtype_argument(name)
 
 
+def _positive(text: str) -> int:
+    """A positive integer flag (argparse names the flag in its error)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 COMMON = """
 --model is a checkpoint path (an HF Arcee directory, an alpha-er file or directory: the family is
 detected), "embedded" (the small IOI model shipped in the package; --family picks which), or a Hub
@@ -130,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--direction", choices=("denoising", "noising"), default="denoising",
                        help="denoising writes clean values into the corrupted run (default: %(default)s)")
     patch.add_argument("--chunk-size", type=int, default=64, help="pairs per chunk (default: %(default)s)")
-    patch.add_argument("--top", type=int, default=10, help="locations to print (default: %(default)s)")
+    patch.add_argument("--top", type=_positive, default=10,
+                       help="locations to print, those whose patch moves the metric (default: %(default)s)")
     patch.add_argument("--save", default=None, help="write the result (torch.save of its fields) to this file")
     patch.add_argument("--plot", default=None, help="write the result's heatmap to this PNG")
 
