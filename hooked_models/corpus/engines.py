@@ -2,6 +2,7 @@
 actor pool, one model replica per actor). One callable class does a unit per call under either engine;
 Ray is imported only for engine="ray"."""
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,6 +58,23 @@ def _first_row(batch: dict) -> dict:
     return {k: v[0] for k, v in batch.items()}
 
 
+# Ray logs this on every start of a local cluster: token authentication, its default, is on. Only this
+# notice is dropped; the logger's other messages (authentication off, a token missing) still show.
+_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+@contextmanager
+def _quiet_auth_notice():
+    logger = logging.getLogger(_AUTH_LOGGER)
+    drop = lambda record: not record.getMessage().startswith(_AUTH_NOTICE)  # noqa: E731
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 @contextmanager
 def ray_cluster():
     """Ray, joined to the running cluster (this process's `ray.init`, or RAY_ADDRESS), else a local
@@ -72,10 +90,8 @@ def ray_cluster():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
-            # Token authentication is Ray's default for a cluster it starts; saying so explicitly (unless the
-            # user chose) keeps it on and stops Ray warning on every run that it turned it on.
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+            with _quiet_auth_notice():
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
     try:
         yield ray
     finally:
