@@ -297,7 +297,9 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
                 out.backward()
         if not return_cache_object:
             return out, cache_dict
-        return out, HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        cache = HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        cache.names_filter_given = names_filter is not None
+        return out, cache
 
     def to(self, *args, **kwargs):
         """`nn.Module.to`, taking dtype names too ("bfloat16", "bf16", "fp16": hooked_models.dtypes) and
