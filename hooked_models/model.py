@@ -38,7 +38,7 @@ from hooked_models.vocabulary import SYNONYMS, Support, SupportRow, Value, tl_mo
 # Position axis marker for a spliced SAE's HookPoints: the axis after the batch, whatever their rank.
 _SECOND_AXIS = "second"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_DECORATORS = {"torch", "jaxtyping", "beartype"}
+_DECORATORS = {"torch", "jaxtyping", "beartype", "transformer_lens"}   # wrappers around our methods
 
 
 class _AliasHook:
@@ -677,9 +677,10 @@ def _warn_unknown_words(tokenizer, texts: list[str], encoded: list[list[int]]) -
 
 
 def _caller_level(frame) -> int:
-    """The `stacklevel` of the first frame outside this package and the decorators around its methods
-    (torch's `no_grad`, jaxtyping's checks), so that a warning raised in `to_tokens` points at the
-    user's line whichever method called it. `frame` is the warning function's own (level 1)."""
+    """The `stacklevel` of the first frame outside this package and the wrappers around its methods
+    (torch's `no_grad`, jaxtyping's checks, TransformerLens's `__call__`), so that a warning raised in
+    `to_tokens` points at the user's line whichever method called it. `frame` is the warning
+    function's own (level 1)."""
     level = 1
     while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
                                  or frame.f_globals.get("__name__", "").partition(".")[0] in _DECORATORS):

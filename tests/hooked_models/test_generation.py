@@ -333,8 +333,11 @@ def test_unknown_words_are_named_not_silently_unk(family):
     assert str(warning.message) == ("' Zorblax' is not in the tokenizer's vocabulary: the model reads '<unk>' "
                                     f"(id {model.tokenizer.unk_token_id}) in its place")
     assert warning.filename == __file__
-    with pytest.warns(UserWarning, match=r"^' Quux', ' Zorblax' are not in the tokenizer's vocabulary"):
+    with pytest.warns(UserWarning, match=r"^' Quux', ' Zorblax' are not in the tokenizer's vocabulary") as caught:
         model.run_with_cache(["When Quux and", " Zorblax"])
+    with pytest.warns(UserWarning, match=r"^' Quux' is not") as called:
+        model("When Quux and")                                   # through TransformerLens's __call__
+    assert caught[0].filename == called[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.generate(prompt.replace("Zorblax", "Mary"), max_new_tokens=1, temperature=0)
