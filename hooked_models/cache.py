@@ -14,6 +14,9 @@ class HookedActivationCache(TransformerLensCache):
     [batch pos head d_head]); the standard name gives the standard one.
     """
 
+    # Whether run_with_cache was given a names_filter (None: built elsewhere), for the missing-value message.
+    names_filter_given: bool | None = None
+
     def __getitem__(self, key):
         if isinstance(key, tuple):
             if len(key) > 1 and key[1] is not None and key[1] < 0:
@@ -27,12 +30,26 @@ class HookedActivationCache(TransformerLensCache):
             name = get_act_name(name)  # a TransformerLens shorthand such as "embed"
         canonical, value = self._resolve(name)
         if canonical + suffix not in self.cache_dict:
-            raise KeyError(
-                f"{key!r} (standard name {canonical + suffix!r}) is not in this cache; it holds "
-                f"{len(self.cache_dict)} values. Run run_with_cache without a names_filter that excludes it."
-            )
+            raise KeyError(f"{key!r} (standard name {canonical + suffix!r}) is not in this cache; it holds "
+                           f"{len(self.cache_dict)} values. {self._how_to_cache(key, canonical, suffix)}")
         tensor = self.cache_dict[canonical + suffix]
         return tensor if value is None else value.to_tl(tensor)
+
+    def _how_to_cache(self, key: str, canonical: str, suffix: str) -> str:
+        """What would have put `canonical` in the cache, by why it is missing: a value cached only on
+        request (TransformerLens's switches), a gradient without `incl_bwd`, or the names_filter given."""
+        point = self.model.standard_hook_dict.get(canonical)
+        value = getattr(point, "value", None)
+        name = key if isinstance(key, str) and not suffix else canonical
+        if self.names_filter_given is False and value is not None and value.on_request:
+            return (f"A run_with_cache without a names_filter caches it only on request, as TransformerLens "
+                    f"does: call model.set_{value.on_request}(True) first, or name it: "
+                    f"model.run_with_cache(..., names_filter=[{name!r}]).")
+        if suffix and not any(n.endswith("_grad") for n in self.cache_dict):
+            return "Gradients are cached by run_with_cache(tokens, return_type=\"loss\", incl_bwd=True)."
+        if self.names_filter_given:
+            return f"The names_filter given leaves it out: name it there ({name!r}) or let the filter match it."
+        return "Run run_with_cache with a names_filter that includes it."
 
     def _resolve(self, name: str):
         """The model's resolution; a name under a value (a spliced SAE's `<value>.hook_sae_acts_post`)

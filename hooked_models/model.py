@@ -8,7 +8,10 @@ maps the second onto the first: one HookPoint per value, an alias is only a seco
 """
 
 import difflib
+import os
 import re
+import sys
+import warnings
 from functools import partial
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,8 @@ from hooked_models.vocabulary import SYNONYMS, Support, SupportRow, Value, tl_mo
 
 # Position axis marker for a spliced SAE's HookPoints: the axis after the batch, whatever their rank.
 _SECOND_AXIS = "second"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DECORATORS = {"torch", "jaxtyping", "beartype", "transformer_lens"}   # wrappers around our methods
 
 
 class _AliasHook:
@@ -297,7 +302,9 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
                 out.backward()
         if not return_cache_object:
             return out, cache_dict
-        return out, HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        cache = HookedActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        cache.names_filter_given = names_filter is not None
+        return out, cache
 
     def to(self, *args, **kwargs):
         """`nn.Module.to`, taking dtype names too ("bfloat16", "bf16", "fp16": hooked_models.dtypes) and
@@ -602,6 +609,7 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
             raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
         texts = [input] if isinstance(input, str) else list(input)
         encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        _warn_unknown_words(tokenizer, texts, encoded)
         bos = getattr(tokenizer, "bos_token_id", None)
         if prepend_bos and bos is not None:
             encoded = [[bos, *ids] for ids in encoded]
@@ -645,3 +653,40 @@ class HookedModel(SAEMixin, GenerationMixin, TransformerLensModel, HookedModule,
         if tokens.numel() != 1:
             raise ValueError(f"{text!r} is {tokens.numel()} tokens, not one")
         return int(tokens[0])
+
+
+def _warn_unknown_words(tokenizer, texts: list[str], encoded: list[list[int]]) -> None:
+    """Warn, naming them, about the words a tokenizer turned into its unknown token: the model reads
+    `<unk>` there, and nothing else would show it (generate returns the prompt as it was given).
+    A word-level tokenizer (the embedded models') has one for every word outside its vocabulary."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not any(unk in ids for ids in encoded):
+        return
+    words = []
+    for text, ids in zip(texts, encoded):
+        if unk not in ids:
+            continue
+        if getattr(tokenizer, "is_fast", False):
+            spans = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            words += [text[start:end] for token, (start, end) in zip(ids, spans)
+                      if token == unk and text[start:end].strip() != tokenizer.unk_token]
+        else:
+            words += [tokenizer.unk_token] * ids.count(unk)
+    if words:
+        words = list(dict.fromkeys(words))
+        verb, place = ("is", "its") if len(words) == 1 else ("are", "their")
+        warnings.warn(f"{', '.join(map(repr, words))} {verb} not in the tokenizer's vocabulary: the model reads "
+                      f"{tokenizer.unk_token!r} (id {unk}) in {place} place", UserWarning,
+                      stacklevel=_caller_level(sys._getframe()))
+
+
+def _caller_level(frame) -> int:
+    """The `stacklevel` of the first frame outside this package and the wrappers around its methods
+    (torch's `no_grad`, jaxtyping's checks, TransformerLens's `__call__`), so that a warning raised in
+    `to_tokens` points at the user's line whichever method called it. `frame` is the warning
+    function's own (level 1)."""
+    level = 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                 or frame.f_globals.get("__name__", "").partition(".")[0] in _DECORATORS):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -53,7 +53,7 @@ def explicit_attention():
     return [(lambda name: name.endswith(".attention_scores"), lambda scores, hook: None)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def hf_arcee_factory():
     return make_hf_arcee
 

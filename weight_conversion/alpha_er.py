@@ -27,6 +27,7 @@ from weight_conversion.checkpoint import (
     CheckpointError,
     iter_tensors,
     load_tokenizer,
+    save_tokenizer,
     read_json,
     rename_state_dict,
     safetensors_metadata,
@@ -271,4 +272,4 @@ def save_alpha_er_checkpoint(model: HookedModel, path) -> None:
     state = {name: tensor.detach().contiguous() for name, tensor in hooked_to_reference_state_dict(model).items()}
     save_file(state, str(file), metadata=metadata)
     if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(file.parent))
+        save_tokenizer(model.tokenizer, file.parent)

@@ -28,6 +28,7 @@ from weight_conversion.checkpoint import (
     rename_state_dict,
     resolve_checkpoint_dir,
     save_sharded,
+    save_tokenizer,
     stream_into,
     weight_files,
 )
@@ -197,14 +198,22 @@ def hooked_to_hf_state_dict(model: HookedModel) -> dict[str, torch.Tensor]:
 
 
 def hf_config_dict(cfg: ArceeConfig) -> dict:
-    """ArceeConfig -> the config.json that transformers' ArceeConfig reads."""
-    rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
+    """ArceeConfig -> the config.json that transformers' ArceeConfig reads, 4.5x and 5.x alike.
+
+    The rotary parameters are written in both layouts, which agree: 5.x reads `rope_parameters`
+    (`rope_theta` inside), 4.x reads `rope_scaling` with a top-level `rope_theta` (AFM-4.5B's own
+    layout) and ignores `rope_parameters`. 5.x takes `rope_scaling` over `rope_parameters` when both
+    are there (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`), so the two must be the same
+    fields: a file with only `rope_parameters` loads in 4.x with the default rotary, YaRN dropped.
+    `rope_scaling` holds exactly the keys 4.57's `_validate_yarn_parameters` accepts, factor a float.
+    """
+    rope = {"rope_type": cfg.rope.rope_type}
     if cfg.rope.rope_type == "yarn":
         for field in ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                       "mscale", "mscale_all_dim", "truncate"):
             value = getattr(cfg.rope, field)
             if value is not None:
-                rope[field] = value
+                rope[field] = float(value) if field == "factor" else value
     dtype = dtype_name(cfg.dtype)
     return {
         "architectures": ["ArceeForCausalLM"], "model_type": "arcee", "hidden_act": "relu2",
@@ -212,7 +221,8 @@ def hf_config_dict(cfg: ArceeConfig) -> dict:
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_theta": cfg.rope.theta, "rope_scaling": rope if cfg.rope.rope_type != "default" else None,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope.theta}, "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False, "mlp_bias": False, "dtype": dtype,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
     }
@@ -305,4 +315,4 @@ def save_arcee_checkpoint(model: HookedModel, path, max_shard_size: int | str = 
     (directory / "config.json").write_text(json.dumps(hf_config_dict(model.cfg), indent=2))
     save_sharded(hooked_to_hf_state_dict(model), directory, max_shard_size)
     if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(directory))
+        save_tokenizer(model.tokenizer, directory)

@@ -197,6 +197,23 @@ def load_tokenizer(directory: Path, foreign_config: bool = False):
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **extra)
 
 
+
+# transformers 5 names its fast tokenizer class TokenizersBackend, which 4.x does not know;
+# PreTrainedTokenizerFast is the same class in 5.x (an alias) and the fast tokenizer in 4.x.
+PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """`tokenizer.save_pretrained(directory)`, its tokenizer_config.json naming a class that
+    transformers 4.5x and 5.x both load (`PORTABLE_TOKENIZER_CLASSES`)."""
+    tokenizer.save_pretrained(str(directory))
+    path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    name = config.get("tokenizer_class")
+    if name in PORTABLE_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[name]
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
 def rename_state_dict(state: dict[str, torch.Tensor], rename: Callable[[str], str], family: str,
                       skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
     """A source state dict under hooked names: every tensor consumed (`skip`ped or renamed), an unknown

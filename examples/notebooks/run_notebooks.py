@@ -1,13 +1,15 @@
 """Execute the tutorials in place, so that they are committed with their outputs and figures.
 
-    PYTHONPATH=. python examples/notebooks/run_notebooks.py            # all five (05 where SAELens is installed)
+    PYTHONPATH=. python examples/notebooks/run_notebooks.py            # every tutorial (05 only where SAELens is)
     PYTHONPATH=. python examples/notebooks/run_notebooks.py 02         # those whose name starts with 02
     PYTHONPATH=. .ci/sae-env/bin/python examples/notebooks/run_notebooks.py 05   # 05 needs the sae extra
 
 Each runs top to bottom in a fresh python3 kernel with the repository root as its working directory and
 on its path, figures drawn inline. What would differ from run to run is left out: no timings, no kernel
 version details. tests/examples/test_notebooks.py runs them the same way and checks the committed
-outputs are what they print now.
+outputs are what they print now: the same words, integers exactly, other numbers within float32
+rounding, and a cell's figures that come from training within the relative tolerance its metadata
+states ({"tolerance": {"relative": ..., "why": ...}}, kept when the notebook is executed here).
 """
 
 import importlib.util
@@ -54,7 +56,7 @@ def main(prefixes: list[str]) -> None:
             continue
         needs = NEEDS.get(path.stem)
         if needs and importlib.util.find_spec(needs) is None:
-            print(f"{path.relative_to(ROOT)}: skipped, it needs {needs} (pip install -e '.[sae]')")
+            print(f"{path.relative_to(ROOT)}: skipped, it needs {needs} (the sae extra, in its own environment)")
             continue
         notebook = execute(path)
         nbformat.write(notebook, path)

@@ -1,7 +1,8 @@
 """Small models trained on indirect-object identification (IOI), shipped inside the package.
 
 `HookedArcee.from_pretrained("embedded")` loads `arcee/`, an HF directory (config.json,
-model.safetensors, tokenizer.json) that transformers' `ArceeForCausalLM` loads too. The task, its
+model.safetensors, tokenizer.json) that transformers' `ArceeForCausalLM` and `AutoTokenizer` load too, in
+transformers 4.5x and 5.x alike (tests/weight_conversion/test_transformers4.py). The task, its
 tokenizer and its prompt pairs are in `hooked_models.embedded.task`; the training script is
 `python -m hooked_models.embedded.train`.
 """

@@ -5,8 +5,12 @@
 
 Plain PyTorch on the hooked model's own forward: the loss is the model's next-token loss over the
 prompt plus the cross-entropy of the answer at the last position. Seeded, and on one CPU thread by
-default (intra-op threads can reorder float sums), so a rerun writes bit-identical weights and
-reports the same accuracy. About 40 s of CPU time per family.
+default (intra-op threads can reorder float sums), so a rerun on one machine writes bit-identical
+weights. Another CPU does not: its vector units round float sums differently and a thousand steps
+amplify it, so every tensor differs from the shipped ones (by up to 0.13). What a retraining keeps is
+the task: the shipped weights are the reference, and a retrained model reaches their held-out accuracy
+and their mean logit difference within `LOGIT_DIFF_TOLERANCE` (tests/hooked_models/embedded/
+test_train.py). About 30-40 s of CPU time per family.
 """
 
 import argparse
@@ -29,6 +33,11 @@ from hooked_models.families.arcee import ArceeConfig, HookedArcee
 # and the tests use seeds outside that range, so their prompts are drawn afresh.
 TRAIN_SEED_BASE = 1_000_000
 EVAL_SEED = 7
+# How far a retraining's mean logit difference may be from the shipped model's, relative: measured on
+# Arcee, 13.85 on an AVX-512 machine (13.92 there with ATEN_CPU_CAPABILITY=default
+# MKL_ENABLE_INSTRUCTIONS=SSE4_2) and 13.98 on an AVX-512/AMX one, against the shipped 13.91; alpha-er
+# 10.78 against 10.78.
+LOGIT_DIFF_TOLERANCE = 0.03
 
 
 def embedded_arcee_config(vocab_size: int) -> ArceeConfig:
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: each family's own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; 1 (the default) gives the same weights on any machine")
+                        help="torch threads; 1 (the default) gives the same weights on every rerun on one "
+                             "machine (another CPU rounds differently)")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

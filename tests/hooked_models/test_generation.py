@@ -313,3 +313,32 @@ def test_alpha_er_hooks_see_the_padded_window(alpha_er):
     model.generate(alpha_er_prompt(model, 4), temperature=0, max_new_tokens=3, fwd_hooks=[hook])
     assert seen == [(1, model.cfg.block_size, model.cfg.n_embd)] * 3
     assert no_hooks_left(model)
+
+
+@pytest.mark.parametrize("family", ["arcee", "alpha_er"])
+def test_unknown_words_are_named_not_silently_unk(family):
+    """The embedded tokenizer is word-level: a word outside its vocabulary becomes <unk>, and generate
+    returns the prompt as given, so only a warning, naming the words and pointing at the caller's line,
+    shows it. Known words warn nothing."""
+    import warnings
+
+    from hooked_models import HookedAlphaEr
+
+    model = (HookedArcee if family == "arcee" else HookedAlphaEr).from_pretrained("embedded")
+    prompt = "When Zorblax and John went to the store together, John gave a drink to"
+    with pytest.warns(UserWarning) as caught:
+        text = model.generate(prompt, max_new_tokens=1, temperature=0)
+    assert text.startswith(prompt)
+    [warning] = caught
+    assert str(warning.message) == ("' Zorblax' is not in the tokenizer's vocabulary: the model reads '<unk>' "
+                                    f"(id {model.tokenizer.unk_token_id}) in its place")
+    assert warning.filename == __file__
+    with pytest.warns(UserWarning, match=r"^' Quux', ' Zorblax' are not in the tokenizer's vocabulary") as caught:
+        model.run_with_cache(["When Quux and", " Zorblax"])
+    with pytest.warns(UserWarning, match=r"^' Quux' is not") as called:
+        model("When Quux and")                                   # through TransformerLens's __call__
+    assert caught[0].filename == called[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(prompt.replace("Zorblax", "Mary"), max_new_tokens=1, temperature=0)
+        model.to_tokens("<unk>")   # the unknown token written out is not an unknown word

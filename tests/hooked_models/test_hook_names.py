@@ -55,6 +55,32 @@ def test_cache_everything_leaves_per_head_values_to_request(tiny_arcee):
                                everything["blocks.1.hook_attn_out"], rtol=1e-5, atol=1e-6)
 
 
+
+def test_a_value_left_out_says_what_would_cache_it(tiny_arcee):
+    """A plain run_with_cache leaves hook_result out (no names_filter was given): the error names the
+    switch and the name to ask for, and says nothing of a filter; with a filter, it names the filter."""
+    ids = torch.randint(0, 97, (1, 6))
+    _, cache = tiny_arcee.run_with_cache(ids)
+    for name, switch in [("blocks.0.attn.hook_result", "set_use_attn_result"),
+                         ("layers.1.mlp_residual_input", "set_use_hook_mlp_in"),
+                         ("blocks.0.attn.hook_q_input", "set_use_split_qkv_input")]:
+        with pytest.raises(KeyError) as info:
+            cache[name]
+        message = str(info.value)
+        assert f"model.{switch}(True)" in message and f"names_filter=[{name!r}]" in message, message
+        assert "names_filter that excludes" not in message and "names_filter given" not in message
+        getattr(tiny_arcee, switch)(True)
+        try:
+            assert name in tiny_arcee.run_with_cache(ids)[1]
+        finally:
+            getattr(tiny_arcee, switch)(False)
+        assert name in tiny_arcee.run_with_cache(ids, names_filter=[name])[1]
+    _, filtered = tiny_arcee.run_with_cache(ids, names_filter=["blocks.0.hook_resid_pre"])
+    with pytest.raises(KeyError, match=r"The names_filter given leaves it out: name it there \('blocks.0.attn.hook_z'\)"):
+        filtered["blocks.0.attn.hook_z"]
+    with pytest.raises(KeyError, match=r"incl_bwd=True"):
+        cache["blocks.0.hook_resid_pre_grad"]
+
 def test_transformer_lens_attribution_patch_runs_and_is_right(embedded):
     """transformer_lens.tools' attribution_patch finds our hooks through hook_dict, and its node scores
     are (clean - corrupt) · d metric / d activation, computed here by hand through the standard names."""
