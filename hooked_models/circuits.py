@@ -367,7 +367,7 @@ class Graph:
         handles.append(Line2D([], [], color="black", linestyle="--", label="works against the corruption"))
         if feeds:
             handles.append(Line2D([], [], color="#777777", linewidth=0.9, label="key/value head to its query heads"))
-        ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 1.02))
+        ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 0.98))
         ax.set_title(title or f"circuit: {len(self)} edges" + (f", scored by {self.method}" if self.method else ""))
         fig.tight_layout()
         if path is not None:

@@ -1,6 +1,6 @@
 """Execute the tutorials in place, so that they are committed with their outputs and figures.
 
-    PYTHONPATH=. python examples/notebooks/run_notebooks.py            # all five (05 where SAELens is installed)
+    PYTHONPATH=. python examples/notebooks/run_notebooks.py            # all of them (05 where SAELens is installed)
     PYTHONPATH=. python examples/notebooks/run_notebooks.py 02         # those whose name starts with 02
     PYTHONPATH=. .ci/sae-env/bin/python examples/notebooks/run_notebooks.py 05   # 05 needs the sae extra
 
@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
-# Tutorial -> the module it needs beyond the dev extra (pip install -e ".[sae]").
+# Tutorial -> the module it needs beyond the dev extra (the sae extra, in its own environment: .ci/run).
 NEEDS = {"05_sparse_autoencoders": "sae_lens"}
 
 
