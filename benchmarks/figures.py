@@ -136,7 +136,7 @@ def speed_table() -> str:
     fw, small = forward_ratios(), forward_ratios("forward_overhead")
     s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
-    c, cr, co = circuits(), circuit_ranges(), corpus()
+    cr, co = circuit_ranges(), corpus()
     gen, gen_hook = generate_ratios()
     li, ho = "layer_input", "attention_head_outputs"
     rows = [
@@ -168,7 +168,6 @@ def speed_table() -> str:
          f"{co['ray1']:.2f}x (2 workers: {co['ray2']:.2f}x)", "<= 1.3x"),
         ("peak memory of a harvest over 10x the corpus / 1x (same batch size)", f"{co['memory']:.3f}x", "<= 1.2x"),
     ]
-    del c
     lines = ["| | ratio | target |", "|---|---:|---|"] + [f"| {a} | {b} | {t} |" for a, b, t in rows]
     return "\n".join(lines)
 
