@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reference"))
 from alpha_er_reference import ReferenceAlphaErConfig, ReferenceAlphaErForCausalLM  # noqa: E402
 
-def compare_alpha_er(args) -> None:
+def compare_alpha_er(args) -> dict[str, tuple[float, float]]:
     """HookedAlphaEr vs the reference at the released size (random weights), batch x seq as given
     (seq rounded down to a multiple of the 64 experts)."""
     from benchmarks.common import interleaved, randomize_, report
@@ -36,9 +36,12 @@ def compare_alpha_er(args) -> None:
         }, args.rounds)
     report(f"alpha-er forward, released size, batch {args.batch} x {seq}, no hooks", medians,
            "alpha-er reference")
+    return medians
 
 
 if __name__ == "__main__":
-    from benchmarks.common import bench_args
+    from benchmarks.common import Results, bench_args, timings
 
-    compare_alpha_er(bench_args(__doc__.splitlines()[0]))
+    args = bench_args(__doc__.splitlines()[0])
+    record = Results(args.results)
+    record.save({"alpha_er": timings(compare_alpha_er(args))})

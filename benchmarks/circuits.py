@@ -10,8 +10,8 @@ backward over the steps), `edge_attribution(method="eap")` (clean forward, corru
 accepts the model (multi-head attention: alpha-er, and an Arcee with as many key/value heads as query heads),
 `transformer_lens.tools.analysis.attribution_patching.attribution_patch` at edge granularity (one forward and
 backward per prompt pair, per-position edges). Our EAP and TransformerLens's are checked to agree first.
-CPU time in interleaved rounds (benchmarks/common.py); ratios against our EAP-IG. Not a test: timings belong
-here, never in an assertion.
+CPU time in interleaved rounds (benchmarks/common.py); ratios against our EAP-IG; written to
+benchmarks/results/circuits.json. Not a test: timings belong here, never in an assertion.
 """
 
 import argparse
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import interleaved, randomize_, report  # noqa: E402
+from benchmarks.common import Results, interleaved, randomize_, report, timings  # noqa: E402
 from hooked_models import HookedAlphaEr, HookedArcee, circuits  # noqa: E402
 from hooked_models.embedded.task import make_ioi_prompts  # noqa: E402
 
@@ -54,7 +54,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--mha-layers", type=int, default=4, help="the multi-head Arcee's shape")
     parser.add_argument("--mha-heads", type=int, default=8)
+    parser.add_argument("--results", default="circuits",
+                        help="write the figures to benchmarks/results/RESULTS.json (default: %(default)s)")
     args = parser.parse_args()
+    record = Results(args.results)
+    figures = {"prompts": args.prompts, "steps": args.steps, "rounds": args.rounds, "models": {}}
     if args.threads:
         torch.set_num_threads(args.threads)
     tl = tl_edge_attribution()
@@ -96,12 +100,14 @@ def main() -> None:
             print(f"\n{label}: {len(edges)} edges" + ("" if mha else "; TransformerLens refuses GQA at edge granularity"))
         medians = interleaved(contenders, args.rounds)
         report(label, medians, baseline=next(iter(contenders)))
+        figures["models"][label] = {"edges": len(edges), **timings(medians)}
         cpu = {name: c for name, (c, _) in medians.items()}
         ig, eap, exact = (cpu[name] for name in list(contenders)[:3])
         print(f"  every edge exactly (edge_patch) / EAP-IG: {exact / ig:.1f}x")
         if "TransformerLens attribution_patch, edge" in cpu:
             theirs = cpu["TransformerLens attribution_patch, edge"]
             print(f"  TransformerLens edge EAP / our EAP: {theirs / eap:.1f}x;  / our EAP-IG: {theirs / ig:.1f}x")
+    record.save(figures)
 
 
 if __name__ == "__main__":

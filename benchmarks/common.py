@@ -2,13 +2,80 @@
 interleaved timer (each round runs every contender once, so drifting machine load hits all alike)."""
 
 import argparse
+import datetime
 import gc
+import json
+import os
+import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Results:
+    """One benchmark run's figures, written to `benchmarks/results/<name>.json`, the one source of every
+    figure the READMEs quote (`benchmarks/figures.py` renders them; tests/test_benchmark_figures.py checks).
+
+    Made when the run starts (the command and the load average then), saved when it ends, with the machine's
+    state beside the figures: a shared machine's load stretches wall-clock time, not one thread's CPU time.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        script = Path(sys.argv[0]).resolve()
+        try:
+            script = script.relative_to(Path(__file__).resolve().parents[1])
+        except ValueError:
+            pass
+        self.command = shlex.join(["python", str(script), *sys.argv[1:]])
+        self.load_before = os.getloadavg()
+        self.started = time.perf_counter()
+
+    def save(self, figures: dict) -> Path:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def installed(package: str) -> str | None:
+            try:
+                return version(package)
+            except PackageNotFoundError:
+                return None
+
+        record = {
+            "benchmark": self.name,
+            "command": self.command,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "load_average_before": [round(x, 2) for x in self.load_before],
+                        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                        "python": platform.python_version()},
+            "versions": {package: installed(package) for package in ("torch", "transformers", "transformer-lens")},
+            "seconds": round(time.perf_counter() - self.started, 1),
+            "figures": figures,
+        }
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"{self.name}.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"\nresults written to {path}")
+        return path
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def timings(medians: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """`interleaved`'s medians as JSON: {contender: {"cpu_s": ..., "wall_s": ...}}."""
+    return {name: {"cpu_s": round(cpu, 6), "wall_s": round(wall, 6)} for name, (cpu, wall) in medians.items()}
 
 
 def bench_args(description: str) -> argparse.Namespace:
@@ -25,6 +92,8 @@ def bench_args(description: str) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--results", default=Path(sys.argv[0]).stem,
+                        help="write the figures to benchmarks/results/RESULTS.json (default: %(default)s)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

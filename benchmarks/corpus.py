@@ -11,7 +11,8 @@ the same bytes. Times are wall clock (Ray's work is in other processes), medians
 and include what a user waits for: the driver's planning load, Ray's actors starting and loading their
 replicas (the cluster itself is started once, as a running cluster would be). Every process computes
 on one thread. Targets: Ray with 1 worker within 1.3x of local's time; peak RSS at 10x the corpus within
-1.2x of 1x (measured in fresh processes, from /proc/self/status's VmHWM).
+1.2x of 1x (measured in fresh processes, from /proc/self/status's VmHWM). The figures go to
+benchmarks/results/corpus.json.
 """
 
 import argparse
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import hf_arcee_config, interleaved, memory, randomize_  # noqa: E402
+from benchmarks.common import Results, hf_arcee_config, interleaved, memory, randomize_, timings  # noqa: E402
 
 
 def arguments() -> argparse.Namespace:
@@ -44,6 +45,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--shard", type=int, default=128,
                         help="windows per shard, Ray's unit of work, in the throughput runs (default: 128)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    parser.add_argument("--results", default="corpus",
+                        help="write the figures to benchmarks/results/RESULTS.json (default: %(default)s)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "DATASET", "OUT"), help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -70,6 +73,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.child:
         return child(*args.child, args)
+    record = Results(args.results)
     import ray
     from transformers import ArceeForCausalLM
 
@@ -130,6 +134,8 @@ def main() -> None:
                   f"{r['peak'] / mb:7.1f} MiB (after imports {r['baseline'] / mb:.1f} MiB)")
         ratio = peaks[10]["peak"] / peaks[1]["peak"]
         print(f"  10x / 1x: {ratio:.3f} (target <= 1.2: {'met' if ratio <= 1.2 else 'NOT met'})")
+        record.save({"tokens": tokens, "rounds": args.rounds, "identical_outputs": same,
+                     "throughput": timings(medians), "memory": {f"{scale}x": r for scale, r in peaks.items()}})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

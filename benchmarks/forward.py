@@ -8,9 +8,9 @@ Contenders:
 - run_with_cache of every hook: HookedArcee vs TransformerLens 4.3's TransformerBridge booted
   offline from the same weights saved to a temporary directory. Target <= 0.8x. Beside them, the
   same matrix multiplications alone (`gemm_floor`): the floor under any implementation.
-- HookedAlphaEr forward vs the plain-torch reference (benchmarks/alpha_er_reference.py), when
-  hooked_models has alpha-er.
-Every pair is checked to give the same logits before it is timed.
+- HookedAlphaEr forward vs the plain-torch reference (benchmarks/alpha_er_reference.py), released size.
+Every pair is checked to give the same logits before it is timed. The medians go to
+benchmarks/results/forward.json (`--results NAME` for another file), the source of the READMEs' figures.
 """
 
 import os
@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from transformers import ArceeForCausalLM  # noqa: E402
 
-from benchmarks.common import bench_args, hf_arcee_config, interleaved, randomize_, report  # noqa: E402
+from benchmarks.common import Results, bench_args, hf_arcee_config, interleaved, randomize_, report, timings  # noqa: E402
 from hooked_models import HookedArcee  # noqa: E402
 
 
@@ -54,6 +54,9 @@ def _stub_tokenizer(vocab_size: int):
 
 def main():
     args = bench_args(__doc__.splitlines()[0])
+    record = Results(args.results)
+    figures = {"shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                       "intermediate", "vocab", "batch", "seq", "rounds")}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model: {args.layers} layers x "
           f"{args.hidden} wide, {args.heads}/{args.kv_heads} heads of {args.head_dim}, MLP {args.intermediate}, "
           f"vocab {args.vocab}; batch {args.batch} x {args.seq}, float32")
@@ -69,6 +72,7 @@ def main():
             "HookedArcee": lambda: hooked(tokens),
         }, args.rounds)
     report("forward, no hooks", medians, "transformers ArceeForCausalLM (sdpa)", "HookedArcee <= 1.05x")
+    figures["forward"] = timings(medians)
 
     bridge = boot_bridge(hf)
     with torch.inference_mode():
@@ -76,6 +80,7 @@ def main():
         bridge_logits, bridge_cache = bridge.run_with_cache(tokens)
         torch.testing.assert_close(logits, bridge_logits, rtol=1e-4, atol=1e-4)
         counts = f"HookedArcee caches {len(cache)} values, the bridge {len(bridge_cache)}"
+        figures["cached_values"] = {"HookedArcee": len(cache), "TransformerBridge": len(bridge_cache)}
         del cache, bridge_cache
         medians = interleaved({
             "TransformerBridge.run_with_cache": lambda: bridge.run_with_cache(tokens),
@@ -84,9 +89,11 @@ def main():
         }, args.rounds)
     report(f"run_with_cache, every hook ({counts})", medians, "TransformerBridge.run_with_cache",
            "HookedArcee <= 0.8x")
+    figures["run_with_cache"] = timings(medians)
     del bridge
 
-    alpha_er(args)
+    figures["alpha_er"] = alpha_er(args)
+    record.save(figures)
 
 
 def gemm_floor(hf, tokens):
@@ -114,16 +121,11 @@ def gemm_floor(hf, tokens):
     return run
 
 
-def alpha_er(args):
-    """HookedAlphaEr vs the reference arithmetic, once alpha-er has landed."""
-    try:
-        from hooked_models import HookedAlphaEr  # noqa: F401
-    except ImportError:
-        print("\nHookedAlphaEr: not in hooked_models yet; skipped")
-        return
+def alpha_er(args) -> dict:
+    """HookedAlphaEr vs the reference arithmetic: the medians, as JSON."""
     from benchmarks.alpha_er_reference import compare_alpha_er
 
-    compare_alpha_er(args)
+    return timings(compare_alpha_er(args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tokens per second: HookedArcee.generate against transformers' generate, on the same random weights.
 
-    python benchmarks/generate.py                       # CPU, float32, 4 layers x 512 wide
+    python benchmarks/generate.py --threads 1           # CPU, float32, 4 layers x 512 wide
     python benchmarks/generate.py --device cuda --dtype bfloat16 --batch 8
 
 Greedy decoding of `--new` tokens after a `--prompt`-token prompt, with a key/value cache on both
@@ -8,19 +8,24 @@ sides (transformers' DynamicCache, ours `KeyValueCache`), EOS off so every run d
 number of tokens. Each repetition runs the four cases back to back (interleaved, so drift in clock
 or load hits them alike): transformers, transformers with a PyTorch forward hook that adds a
 steering vector after layer 1, HookedArcee, and HookedArcee with the same steering as a hook on
-`layers.1.layer_output`. Prints the median tokens/s of each and the ratios. Not a test: timings
-belong here, never in an assertion.
+`layers.1.layer_output`. Prints the median tokens/s of each (CPU time of this process on the CPU,
+wall clock on a GPU) and the ratios, and writes them to benchmarks/results/generate.json. Not a test:
+timings belong here, never in an assertion.
 """
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import ArceeConfig as HFArceeConfig
 from transformers import ArceeForCausalLM
 
-from hooked_models import HookedArcee
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Results  # noqa: E402
+from hooked_models import HookedArcee  # noqa: E402
 
 
 def build(args) -> tuple[ArceeForCausalLM, HookedArcee]:
@@ -38,13 +43,17 @@ def build(args) -> tuple[ArceeForCausalLM, HookedArcee]:
 
 
 def timed(fn, device) -> float:
+    """Seconds of one call: CPU time of this process on the CPU (steady on a shared machine, with --threads 1),
+    wall clock on a GPU (after synchronizing)."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    start = time.perf_counter()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    start = time.process_time()
     fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main():
@@ -58,7 +67,13 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--results", default="generate",
+                        help="write the figures to benchmarks/results/RESULTS.json (default: %(default)s)")
     args = parser.parse_args()
+    record = Results(args.results)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     hf, model = build(args)
     tokens = torch.randint(2, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
@@ -97,7 +112,8 @@ def main():
     generated = args.batch * args.new
     rate = {name: generated / statistics.median(s) for name, s in seconds.items()}
     print(f"{args.layers} layers x {args.width} wide, vocab {args.vocab}, {args.dtype} on {args.device}; "
-          f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens; median of {args.reps} interleaved runs")
+          f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens; median of {args.reps} interleaved runs "
+          f"({'wall clock' if args.device.startswith('cuda') else 'CPU time'}, {torch.get_num_threads()} threads)")
     print(f"greedy outputs identical (plain and steered): {same}")
     for name, r in rate.items():
         print(f"  {name:<22} {r:10.1f} tokens/s")
@@ -105,6 +121,9 @@ def main():
     print(f"  HookedArcee + hook / transformers + hook   "
           f"{rate['HookedArcee + hook'] / rate['transformers + hook']:.2f}")
     print(f"  HookedArcee + hook / HookedArcee           {rate['HookedArcee + hook'] / rate['HookedArcee']:.2f}")
+    record.save({"shape": {k: getattr(args, k) for k in ("layers", "width", "vocab", "batch", "prompt", "new", "reps",
+                                                         "dtype", "device")},
+                 "identical_outputs": same, "tokens_per_s": {name: round(r, 2) for name, r in rate.items()}})
 
 
 if __name__ == "__main__":

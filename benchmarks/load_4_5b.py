@@ -8,7 +8,8 @@ HookedArcee.from_pretrained in a child process that reports its peak resident me
 The checkpoint is AFM-4.5B's shape (36 layers, 2560 wide, 20/4 heads of 128, MLP 18432, vocab
 128004, untied, bfloat16) in safetensors shards with an index, random weights. It is written shard by
 shard, so the writer never holds more than one shard. Target: peak RSS of the loading process
-<= 1.15x the checkpoint's size. The child then runs a short bfloat16 forward on the CPU.
+<= 1.15x the checkpoint's size. The child then runs a short bfloat16 forward on the CPU. The figures go
+to benchmarks/results/load_4_5b.json.
 """
 
 import argparse
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import memory  # noqa: E402
+from benchmarks.common import Results, memory  # noqa: E402
 from hooked_models.families.arcee import AFM_4_5B  # noqa: E402
 from weight_conversion.arcee import hf_config_dict  # noqa: E402
 
@@ -114,10 +115,13 @@ def main():
     for name, default in [("layers", 36), ("hidden", 2560), ("heads", 20), ("kv-heads", 4), ("head-dim", 128),
                           ("intermediate", 18432), ("vocab", 128004)]:
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--results", default="load_4_5b",
+                        help="write the figures to benchmarks/results/RESULTS.json (default: %(default)s)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.dir)
+    record = Results(args.results)
 
     cfg = AFM_4_5B.with_(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                          num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate,
@@ -131,6 +135,7 @@ def main():
             write_checkpoint(cfg, directory)
             print(f"  written in {time.perf_counter() - start:.0f} s", flush=True)
         size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        shards = len(list(directory.glob("*.safetensors")))
         # A fresh interpreter, so the peak is the loader's alone; stderr passes through (the progress bar).
         result = subprocess.run([sys.executable, __file__, "--child", "--dir", str(directory)],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(
@@ -151,6 +156,7 @@ def main():
     print(f"bfloat16 forward of 1 x 16 tokens: {r['forward_s']:.1f} s, logits {r['logits_dtype']} "
           f"{r['logits_shape']}, finite: {r['logits_finite']}; peak RSS after it "
           f"{r['peak_rss_after_forward'] / gb:.2f} GB")
+    record.save({"checkpoint_bytes": size, "shards": shards, **r})
 
 
 if __name__ == "__main__":

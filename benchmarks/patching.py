@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from common import make_task  # noqa: E402  (examples/common.py)
 
-from benchmarks.common import interleaved, randomize_  # noqa: E402
+from benchmarks.common import Results, interleaved, randomize_, timings  # noqa: E402
 
 from hooked_models import HookedArcee, patching  # noqa: E402
 from hooked_models.components import RopeConfig  # noqa: E402
@@ -82,9 +82,11 @@ def floor_ratio(model, clean, corrupted, value: str) -> float:
     return full / skip
 
 
-def compare(model, task, device: str, values: list[str], rounds: int, warmup: int) -> None:
-    """Time both contenders on each sweep, interleaved; check they agree; print the ratios."""
+def compare(model, task, device: str, values: list[str], rounds: int, warmup: int) -> dict:
+    """Time both contenders on each sweep, interleaved; check they agree; print the ratios; return the
+    figures of each sweep (medians and floor) as JSON."""
     clean, corrupted = task.clean.to(device), task.corrupted.to(device)
+    figures = {}
     for value in values:
         over, reference = SWEEPS[value]
         results = {}
@@ -103,10 +105,12 @@ def compare(model, task, device: str, values: list[str], rounds: int, warmup: in
         times = interleaved({"hooked_models": ours, "transformer_lens": theirs}, rounds, warmup)
         torch.testing.assert_close(results["ours"], results["theirs"], rtol=1e-4, atol=1e-4)
         (ours_cpu, ours_wall), (theirs_cpu, theirs_wall) = times["hooked_models"], times["transformer_lens"]
+        floor = floor_ratio(model, clean, corrupted, value)
         print(f"  {value:<24} {' × '.join(over):<13} hooked_models {ours_cpu * 1e3:9.1f} ms   transformer_lens "
-              f"{theirs_cpu * 1e3:9.1f} ms   speed-up {theirs_cpu / ours_cpu:4.2f}x   floor "
-              f"{floor_ratio(model, clean, corrupted, value):4.2f}x   "
+              f"{theirs_cpu * 1e3:9.1f} ms   speed-up {theirs_cpu / ours_cpu:4.2f}x   floor {floor:4.2f}x   "
               f"(wall {ours_wall * 1e3:.0f} / {theirs_wall * 1e3:.0f} ms)")
+        figures[value] = {"over": list(over), "floor": round(floor, 4), **timings(times)}
+    return figures
 
 
 def main() -> None:
@@ -127,6 +131,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed rounds first (default: 0 with --size, else 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--results", default=None,
+                        help="write the figures to benchmarks/results/RESULTS.json (default: patching_size_8_32 "
+                             "with --size --depths 8 32, patching_arcee / patching_alpha-er for the embedded models, "
+                             "patching_model otherwise)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,6 +142,10 @@ def main() -> None:
     tl_patching.tqdm = lambda iterable, **kwargs: iterable
 
     sized = args.size
+    default_name = ("patching_size_" + "_".join(map(str, args.depths)) if sized else
+                    f"patching_{args.family}" if args.model == "embedded" else "patching_model")
+    record = Results(args.results or default_name)
+    figures = {}
     rounds = args.repeats or (1 if sized else 5)
     warmup = args.warmup if args.warmup is not None else (0 if sized else 1)
     values = args.sweeps or (list(SWEEPS) if sized else ["layer_input"])
@@ -148,8 +160,11 @@ def main() -> None:
         print(f"{type(model).__name__} {model.cfg.num_layers} layers × {model.cfg.hidden_size}, {task.name}: "
               f"{task.clean.shape[0]} prompt pairs × {task.clean.shape[1]} positions; {torch.get_num_threads()} "
               f"threads on {args.device}; median CPU time of {rounds} interleaved round(s)")
-        compare(model, task, args.device, values, rounds, warmup)
+        figures[f"{type(model).__name__} {model.cfg.num_layers} x {model.cfg.hidden_size}"] = {
+            "pairs": task.clean.shape[0], "positions": task.clean.shape[1], "rounds": rounds,
+            "sweeps": compare(model, task, args.device, values, rounds, warmup)}
         del model
+    record.save(figures)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from common import arguments, load_model, make_task
+from common import arguments, load_model, make_task, out_path
 from hooked_models import patching
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], "out/activation_patching.png")
+    parser = arguments(__doc__.split("\n")[0], "activation_patching")
     parser.add_argument("--value", default="layer_input",
                         help="what to patch, by layer × position: layer_input, layer_mid, attention_output, "
                              "mlp_output, ... (default: %(default)s)")
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--attribution", action="store_true", help="also run attribution patching and compare")
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
+    args.out = out_path(args)
 
     start = time.perf_counter()
     model = load_model(args)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common import arguments, load_model, make_task
+from common import arguments, load_model, make_task, out_path
 from hooked_models import patching
 
 # (value, axes, title): the experts, then each kind of bottleneck.
@@ -29,8 +29,9 @@ SWEEPS = [
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], "out/alpha_er_experts.png", families=("alpha-er",))
+    parser = arguments(__doc__.split("\n")[0], "alpha_er_experts", families=("alpha-er",))
     args = parser.parse_args()
+    args.out = out_path(args)
     start = time.perf_counter()
     model = load_model(args)
 

@@ -9,8 +9,8 @@ Scores every edge of the model's graph (hooked_models.circuits: heads' query, ke
 MLPs, the input and the logits) with EAP-IG, compares the scores with the exact effect of patching
 each edge alone (for graphs up to --exact-limit edges), measures the faithfulness of the top-k circuit
 for growing k (every other edge carrying the corrupted run, exactly), and keeps the smallest circuit
-that recovers --target of the logit difference. Writes the circuit's diagram (--out) and the
-faithfulness curve (the same name with _faithfulness).
+that recovers --target of the logit difference. Writes the circuit's diagram (--out; by default
+out/circuit_discovery_FAMILY-MODEL.png) and the faithfulness curve (the same name with _faithfulness).
 """
 
 import time
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from common import arguments, load_model, make_task
+from common import arguments, load_model, make_task, out_path
 from hooked_models import circuits
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], "out/circuit_discovery.png")
+    parser = arguments(__doc__.split("\n")[0], "circuit_discovery")
     parser.add_argument("--method", choices=circuits.METHODS, default="eap-ig")
     parser.add_argument("--steps", type=int, default=5, help="EAP-IG interpolation steps (default: %(default)s)")
     parser.add_argument("--target", type=float, default=0.9,
@@ -31,8 +31,10 @@ def main() -> None:
     parser.add_argument("--exact-limit", type=int, default=2000,
                         help="patch every edge exactly when the graph has at most this many (default: %(default)s)")
     args = parser.parse_args()
+    args.out = out_path(args)
 
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -67,15 +69,19 @@ def main() -> None:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    circuit.plot(out, title=f"{type(model).__name__}: the top {k} edges ({graph.method})")
+    circuit.plot(out, title=f"{type(model).__name__}: the top {k} edges, scored by {graph.method}")
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.plot(ks, curve.numpy(), marker="o")
     ax.axhline(args.target, color="gray", linestyle=":", label=f"target {args.target}")
-    ax.set_xscale("symlog")
+    ax.set_xscale("symlog", linthresh=1)  # k = 0 (nothing kept) on the axis, then log spacing
+    ax.set_xlim(0, ks[-1] * 1.15)
+    ticks = [t for t in (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if t <= ks[-1]]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("edges kept (top k by |score|)")
     ax.set_ylabel("faithfulness (0: corrupted, 1: clean)")
     ax.set_title(f"{type(model).__name__}: faithfulness of the top-k circuit")
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
     curve_path = out.with_name(out.stem + "_faithfulness.png")
     fig.savefig(curve_path, dpi=110)

@@ -7,6 +7,7 @@ tokens otherwise (an alpha-er checkpoint without a tokenizer): every model has s
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,9 +19,11 @@ FAMILIES = ("arcee", "alpha-er")
 CHECKPOINTS = {"arcee": "an HF Arcee directory (AFM-4.5B)", "alpha-er": "an alpha-er checkpoint (file or directory)"}
 
 
-def arguments(description: str, out: str, families: tuple[str, ...] = FAMILIES) -> argparse.ArgumentParser:
+def arguments(description: str, name: str, families: tuple[str, ...] = FAMILIES) -> argparse.ArgumentParser:
     """The options every example takes: --model, --device, --dtype, --out, --prompts, --seed, and --family
-    where the script runs more than one family (`families`; the first is the default)."""
+    where the script runs more than one family (`families`; the first is the default). `name` names the
+    script's figure: by default out/NAME_FAMILY-MODEL.png (see `out_path`), so runs on different models
+    keep their own."""
     parser = argparse.ArgumentParser(description=description)
     kinds = " or ".join(CHECKPOINTS[f] for f in families)
     parser.add_argument("--model", default="embedded",
@@ -29,15 +32,27 @@ def arguments(description: str, out: str, families: tuple[str, ...] = FAMILIES) 
     if len(families) > 1:
         parser.add_argument("--family", choices=families, default=families[0],
                             help="which embedded model --model embedded means (default: %(default)s)")
-    parser.set_defaults(family=families[0], families=families)
+    parser.set_defaults(family=families[0], families=families, figure=name)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", type=dtype_argument, default="float32", metavar="DTYPE",
                         help=f"one of {', '.join(DTYPE_NAMES)} (default: %(default)s)")
-    parser.add_argument("--out", default=out, help="where the heatmap PNG goes (default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help=f"where the figure (PNG) goes (default: out/{name}_FAMILY-MODEL.png, e.g. "
+                             f"out/{name}_{families[0]}-embedded.png)")
     parser.add_argument("--prompts", type=int, default=32, help="clean/corrupted pairs (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=None, help="patched copies per forward (default: by memory)")
     return parser
+
+
+def out_path(args: argparse.Namespace) -> Path:
+    """--out, else out/NAME_FAMILY-MODEL.png: the family and the model's name (`embedded`, or the checkpoint's
+    file or directory name), so that a run on another model writes beside the first instead of over it."""
+    if args.out is not None:
+        return Path(args.out)
+    family = args.family if args.model == "embedded" else detect_family(args.model).replace("_", "-")
+    model = "embedded" if args.model == "embedded" else Path(args.model.rstrip("/")).stem
+    return Path("out") / f"{args.figure}_{family}-{model}.png"
 
 
 def load_model(args: argparse.Namespace):

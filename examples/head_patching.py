@@ -12,7 +12,7 @@ Prints the strongest heads and writes one figure with a panel per value.
 import time
 from pathlib import Path
 
-from common import arguments, load_model, make_task
+from common import arguments, load_model, make_task, out_path
 from hooked_models import patching
 
 # (value, the head axis it is swept over, panel title)
@@ -26,9 +26,10 @@ SWEEPS = [
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], "out/head_patching.png")
+    parser = arguments(__doc__.split("\n")[0], "head_patching")
     parser.add_argument("--noising", action="store_true", help="write corrupted activations into the clean run")
     args = parser.parse_args()
+    args.out = out_path(args)
 
     import matplotlib
 

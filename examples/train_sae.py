@@ -1,22 +1,28 @@
 """Train a sparse autoencoder with SAELens on a hooked model, evaluate it, and read its features.
 
-    pip install -e ".[sae]"                     # SAELens (it needs TransformerLens 3.x)
-    python examples/train_sae.py                # the embedded IOI model: trains in seconds on a CPU
+    python -m venv sae-env && sae-env/bin/pip install torch==2.13.0 && sae-env/bin/pip install -e ".[dev,sae]"
+    sae-env/bin/python examples/train_sae.py    # the embedded IOI model: trains in seconds on a CPU
     python examples/train_sae.py --family alpha-er --hook blocks.0.attn.hook_z --save out/sae
 
 SAELens's own training runner trains the SAE at --hook (a standard or TransformerLens name) on the
 model's activations; its evals report the reconstruction and the next-token loss with the SAE spliced
 in. Then the SAE is spliced with `model.add_sae` to read, on held-out prompts, which tokens each of a
 few features fires on, and a figure shows the features' density and where they fire.
+
+SAELens needs TransformerLens 3.x, so it lives in an environment of its own (as CI's .ci/run makes one):
+installing the `sae` extra beside the `dev` one of the Quick start would downgrade TransformerLens 4.x.
 """
 
+import logging
 import os
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from common import arguments, load_model, make_task
+from common import arguments, load_model, make_task, out_path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -33,8 +39,36 @@ def training_tokens(model, rows: int, seed: int) -> torch.Tensor:
     return torch.cat([task.clean, task.corrupted])
 
 
+@contextmanager
+def quiet_sae_lens():
+    """SAELens's notices about what this script does on purpose, silenced: it passes its own model and
+    dataset, trains for several epochs over a small dataset, and SAELens copies tensors it was given.
+    And its training bar completed: SAELens advances it every 100 steps, so it would stop short (at 78%
+    with the defaults, 128 steps) although the training ran to its last token."""
+    from sae_lens.training import sae_trainer
+
+    class CompletingBar(sae_trainer.tqdm):
+        def close(self):
+            if self.total and self.n < self.total and not self.disable:
+                self.update(self.total - self.n)
+            super().close()
+
+    sae_logger, level, bar = logging.getLogger("sae_lens"), logging.getLogger("sae_lens").level, sae_trainer.tqdm
+    with warnings.catch_warnings():
+        for message in ("The training dataset contains fewer samples", "All samples in the training dataset",
+                        "To copy construct from a tensor"):
+            warnings.filterwarnings("ignore", message=message, module="sae_lens")
+        sae_logger.setLevel(logging.ERROR)
+        sae_trainer.tqdm = CompletingBar
+        try:
+            yield
+        finally:
+            sae_trainer.tqdm = bar
+            sae_logger.setLevel(level)
+
+
 def train(model, tokens: torch.Tensor, args):
-    """SAELens's LanguageModelSAETrainingRunner on the model, unchanged."""
+    """SAELens's LanguageModelSAETrainingRunner on the model, unchanged (its expected notices silenced)."""
     from datasets import Dataset
     from sae_lens import (LanguageModelSAERunnerConfig, LanguageModelSAETrainingRunner, LoggingConfig,
                           StandardTrainingSAEConfig)
@@ -51,7 +85,8 @@ def train(model, tokens: torch.Tensor, args):
         checkpoint_path=None, output_path=None, n_checkpoints=0, verbose=False,
     )
     dataset = Dataset.from_dict({"tokens": tokens.tolist()})
-    return LanguageModelSAETrainingRunner(cfg, override_model=model, override_dataset=dataset).run(), cfg
+    with quiet_sae_lens():
+        return LanguageModelSAETrainingRunner(cfg, override_model=model, override_dataset=dataset).run(), cfg
 
 
 def evaluate(model, sae, cfg, tokens: torch.Tensor) -> dict:
@@ -61,12 +96,13 @@ def evaluate(model, sae, cfg, tokens: torch.Tensor) -> dict:
     from sae_lens.training.activation_scaler import ActivationScaler
     from sae_lens.training.activations_store import ActivationsStore
 
-    store = ActivationsStore.from_config(model, cfg, override_dataset=Dataset.from_dict({"tokens": tokens.tolist()}))
     batch = 16
     config = EvalConfig(batch_size_prompts=batch, n_eval_reconstruction_batches=tokens.shape[0] // batch,
                         compute_ce_loss=True, compute_kl=True, compute_variance_metrics=True,
                         compute_sparsity_metrics=True, n_eval_sparsity_variance_batches=tokens.shape[0] // batch)
-    metrics, _ = run_evals(sae, store, model, ActivationScaler(), config, exclude_special_tokens=False)
+    with quiet_sae_lens():
+        store = ActivationsStore.from_config(model, cfg, override_dataset=Dataset.from_dict({"tokens": tokens.tolist()}))
+        metrics, _ = run_evals(sae, store, model, ActivationScaler(), config, exclude_special_tokens=False)
     return {k: v for group in metrics.values() for k, v in group.items()}
 
 
@@ -76,7 +112,7 @@ def context(model, row: torch.Tensor, pos: int, width: int = 4) -> str:
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n")[0], "out/train_sae.png")
+    parser = arguments(__doc__.split("\n")[0], "train_sae")
     parser.add_argument("--hook", default="blocks.1.hook_resid_pre",
                         help="where the SAE reads and writes, either name (default: %(default)s)")
     parser.add_argument("--d-sae", type=int, default=256, help="features (default: %(default)s)")
@@ -87,10 +123,12 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="a directory to save the SAE to (SAELens's format)")
     parser.set_defaults(prompts=64)
     args = parser.parse_args()
+    args.out = out_path(args)
     try:
         import sae_lens  # noqa: F401
     except ImportError:
-        parser.error("SAELens is not installed: pip install -e '.[sae]' (it needs TransformerLens 3.x)")
+        parser.error("SAELens is not installed: install the sae extra in an environment of its own, as this "
+                     "script's docstring shows (SAELens needs TransformerLens 3.x)")
 
     start = time.perf_counter()
     torch.manual_seed(args.seed)

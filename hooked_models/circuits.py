@@ -295,9 +295,11 @@ class Graph:
         """A circuit diagram: the input at the bottom, each layer's heads then its MLP (or experts) above,
         the logits on top. An edge runs from its writer to its reader's input: a head's q, k and v ports
         along its bottom (under grouped-query attention, a key/value head is a box of its own under its
-        group), an MLP's bottom, the logits'; coloured by what it enters, as wide as its |score| is large,
-        dashed where its score has the opposite sign to the whole corruption's effect (it works against
-        it). Saves to `path` when given; returns the matplotlib Figure."""
+        group, joined by thin grey lines to the query heads it feeds), an MLP's bottom, the logits';
+        coloured by what it enters, wider and darker the larger its |score| (by the square root, so the
+        weak edges stay visible beside a strong one), dashed where its score has the opposite sign to the
+        whole corruption's effect (it works against it). An edge that would cross a box on its way up
+        passes through the gap beside it. Saves to `path` when given; returns the matplotlib Figure."""
         try:
             import matplotlib
 
@@ -306,6 +308,7 @@ class Graph:
             import matplotlib.pyplot as plt
             from matplotlib.lines import Line2D
             from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+            from matplotlib.path import Path as PlotPath
         except ImportError:
             raise ImportError("Graph.plot needs matplotlib (pip install matplotlib)") from None
         place = _Placement(self.sizes or _sizes_from_names(self.nodes))
@@ -319,27 +322,53 @@ class Graph:
             direction = math.copysign(1.0, self.corrupted_metric - self.clean_metric)
         else:
             direction = math.copysign(1.0, float(signed.sum())) if len(self) else 1.0
-        for box in sorted({place.box_of(n) for n in self.nodes} | {"input", "logits"}, key=place.order):
-            x, y, w = place.box(box)
+        drawn = {place.box_of(n) for n in self.nodes} | {"input", "logits"}
+        feeds = {kv: place.group_heads(kv) for kv in drawn if place.is_kv_box(kv)}  # GQA: a KV box's query heads
+        fed = {head for heads in feeds.values() for head in heads} - drawn  # drawn faint: in no edge
+        drawn |= fed
+        boxes = {box: place.box(box) for box in drawn}
+        for box in sorted(drawn, key=place.order):
+            x, y, w = boxes[box]
             ax.add_patch(FancyBboxPatch((x - w / 2, y - 0.17), w, 0.34, boxstyle="round,pad=0.02",
-                                        facecolor="#f2f2f2", edgecolor="#555555", linewidth=1, zorder=3))
-            ax.text(x, y, place.label(box), ha="center", va="center", fontsize=8, zorder=4)
+                                        facecolor="white" if box in fed else "#f2f2f2",
+                                        edgecolor="#bbbbbb" if box in fed else "#555555", linewidth=1, zorder=3))
+            ax.text(x, y, place.label(box), ha="center", va="center", fontsize=8, zorder=4,
+                    color="#999999" if box in fed else "black")
+        for kv, heads in feeds.items():
+            x, y, _ = boxes[kv]
+            for head in heads:
+                hx, hy, _ = boxes[head]
+                ax.plot([x, hx], [y + 0.17, hy - 0.19], color="#777777", linewidth=0.9, zorder=2.5)
         colours = {"q": "tab:blue", "k": "tab:green", "v": "tab:orange", "mlp": "tab:purple", "logits": "tab:gray"}
         for (writer, reader), size, sign in sorted(zip(self.edges, magnitude.tolist(), signed.tolist()),
                                                    key=lambda item: item[1]):  # the strongest drawn last
             start, end = place.source(writer), place.port(reader)
-            ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=8, zorder=2,
-                                         connectionstyle=f"arc3,rad={0.15 if start[0] <= end[0] else -0.15}",
-                                         linewidth=0.4 + 5.5 * size / top, color=colours[place.kind(reader)],
-                                         alpha=0.35 + 0.6 * size / top,
-                                         linestyle="-" if sign * direction >= 0 else "--"))
+            strength = (size / top) ** 0.5
+            style = dict(arrowstyle="-|>", mutation_scale=8, zorder=2, linewidth=0.9 + 4.5 * strength,
+                         color=colours[place.kind(reader)], alpha=0.5 + 0.45 * strength,
+                         linestyle="-" if sign * direction >= 0 else "--")
+            obstacles = [b for name, b in boxes.items() if name not in (place.box_of(writer), place.box_of(reader))]
+            points = place.route(start, end, obstacles)
+            if any(start[1] < y < end[1] for _, y, _ in obstacles):  # boxes between: the route, corners rounded
+                middles = [((a[0] + b[0]) / 2, (a[1] + b[1]) / 2) for a, b in zip(points, points[1:])]
+                vertices = [points[0], middles[0]]
+                for corner, middle in zip(points[1:-1], middles[1:]):
+                    vertices += [corner, middle]
+                vertices.append(points[-1])
+                codes = [PlotPath.MOVETO, PlotPath.LINETO] + [PlotPath.CURVE3] * (len(vertices) - 3) + [PlotPath.LINETO]
+                ax.add_patch(FancyArrowPatch(path=PlotPath(vertices, codes), **style))
+            else:
+                ax.add_patch(FancyArrowPatch(start, end, connectionstyle=f"arc3,rad={0.15 if start[0] <= end[0] else -0.15}",
+                                             **style))
         ax.set_xlim(-1, place.width)
         ax.set_ylim(-0.7, 2 * place.layers + 1.7)
         ax.axis("off")
         handles = [Line2D([], [], color=c, linewidth=2, label=f"into {k}") for k, c in colours.items()]
         handles.append(Line2D([], [], color="black", linestyle="--", label="works against the corruption"))
-        ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 1.02))
-        ax.set_title(title or f"circuit: {len(self)} edges" + (f" ({self.method})" if self.method else ""))
+        if feeds:
+            handles.append(Line2D([], [], color="#777777", linewidth=0.9, label="key/value head to its query heads"))
+        ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, bbox_to_anchor=(0, 0.98))
+        ax.set_title(title or f"circuit: {len(self)} edges" + (f", scored by {self.method}" if self.method else ""))
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=120)
@@ -411,6 +440,37 @@ class _Placement:
         if kind:
             return f"L{layer} {'H' if kind == 'head' else 'KV'}{index}"
         return f"L{layer} E{expert}" if expert is not None else f"L{layer} MLP"
+
+    def is_kv_box(self, box: str) -> bool:
+        match = _NODE.match(box)
+        return bool(match) and match.group(2) == "kv_head"
+
+    def group_heads(self, kv_box: str) -> list[str]:
+        """The query heads a (GQA) key/value head's box feeds."""
+        layer, _, index, _, _ = _NODE.match(kv_box).groups()
+        return [f"layers.{layer}.self_attn.head.{h}"
+                for h in range(int(index) * self.groups, (int(index) + 1) * self.groups)]
+
+    @staticmethod
+    def route(start: tuple[float, float], end: tuple[float, float],
+              obstacles: list[tuple[float, float, float]]) -> list[tuple[float, float]]:
+        """Points from `start` up to `end` (an edge always runs upwards) that cross each row of boxes
+        (x, y, width) lying between them vertically, where the straight way would, or else through the
+        nearest gap between the row's boxes."""
+        points, (x0, y0) = [start], start
+        for y in sorted({by for _, by, _ in obstacles if start[1] < by < end[1]}):
+            row = [(bx, w) for bx, by, w in obstacles if by == y]
+
+            def free(x):
+                return all(abs(x - bx) >= w / 2 + 0.06 for bx, w in row)
+
+            x = x0 + (end[0] - x0) * (y - 0.26 - y0) / (end[1] - y0)
+            if not free(x):
+                gaps = [bx + side * (w / 2 + 0.12) for bx, w in row for side in (-1, 1)]
+                x = min((g for g in gaps if free(g)), key=lambda g: abs(g - x))
+            points += [(x, y - 0.26), (x, y + 0.26)]
+            x0, y0 = x, y + 0.26
+        return points + [end]
 
     def source(self, writer: str) -> tuple[float, float]:
         x, y, _ = self.box(writer)

@@ -13,6 +13,7 @@ alpha-er's bottlenecks) are declared in the same form: components here, families
 import difflib
 import html
 import re
+import textwrap
 from dataclasses import dataclass, field
 
 import einops
@@ -344,14 +345,19 @@ class Support:
     def __len__(self) -> int:
         return len(self.rows)
 
+    WIDTH = 100  # the printed table's lines: a value's name and layout, then its meaning wrapped below
+
     def __str__(self) -> str:
         lines = []
         for module, rows in self.by_host().items():
             lines.append(f"{module}")
             width = max(len(r.name) for r in rows)
             for r in rows:
-                alias = f"  (TL: {r.tl_name})" if r.tl_name else ""
-                lines.append(f"  {r.name:<{width}}  {r.layout}  {r.meaning}; read at {r.read_at}{alias}")
+                lines.append(f"  {r.name:<{width}}  {r.layout}")
+                alias = f" TransformerLens:\0{r.tl_name}." if r.tl_name else ""  # \0: kept on one line
+                lines += [line.replace("\0", " ") for line in textwrap.wrap(
+                    f"{r.meaning}; read at {r.read_at}.{alias}", self.WIDTH, initial_indent=" " * 6,
+                    subsequent_indent=" " * 6, break_on_hyphens=False)]
         return "\n".join(lines)
 
     __repr__ = __str__  # what a prompt echoes: the table, not the dataclass's fields

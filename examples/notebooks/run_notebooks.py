@@ -22,7 +22,7 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
-# Tutorial -> the module it needs beyond the dev extra (pip install -e ".[sae]").
+# Tutorial -> the module it needs beyond the dev extra (the sae extra, in its own environment: .ci/run).
 NEEDS = {"05_sparse_autoencoders": "sae_lens"}
 
 

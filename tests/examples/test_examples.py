@@ -185,6 +185,19 @@ def test_train_sae_trains_evaluates_and_reads_features(tmp_path, run_in_process)
     assert_png(tmp_path / "sae.png")
 
 
+def test_figures_are_named_by_family_and_model(monkeypatch, alpha_er_checkpoint):
+    """A run on another model writes its own figure, not over the last one's."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from common import arguments, out_path
+
+    parser = arguments("test", "head_patching")
+    assert out_path(parser.parse_args([])) == Path("out/head_patching_arcee-embedded.png")
+    assert out_path(parser.parse_args(["--family", "alpha-er"])) == Path("out/head_patching_alpha-er-embedded.png")
+    assert out_path(parser.parse_args(["--model", str(alpha_er_checkpoint)])) == Path(
+        f"out/head_patching_alpha-er-{Path(alpha_er_checkpoint).stem}.png")
+    assert out_path(parser.parse_args(["--out", "x/y.png"])) == Path("x/y.png")
+
+
 @pytest.mark.parametrize("family", ["arcee", "alpha-er"])
 def test_circuit_discovery_on_the_embedded_models(tmp_path, run_in_process, family):
     stdout = run_in_process("circuit_discovery.py", "--family", family, "--prompts", "8",

@@ -379,6 +379,42 @@ def test_top_prune_and_json(tl_model, tmp_path):
     assert len(fig.axes[0].patches) >= 5 + 3  # the edges and at least the input, logits and one head
 
 
+@pytest.mark.parametrize("family", [HookedArcee, HookedAlphaEr])
+def test_the_diagram_joins_key_value_heads_to_their_heads_and_routes_no_edge_through_a_box(family):
+    """Every edge of the whole graph is drawn between its own two boxes without crossing another (the
+    route's segments, sampled); under GQA each key/value head's box is joined to the query heads it feeds."""
+    import matplotlib.pyplot as plt
+
+    model = family.from_pretrained("embedded")
+    pairs = make_ioi_prompts(4, seed=0)
+    graph = circuits.edge_attribution(model, pairs.clean_tokens, pairs.corrupted_tokens,
+                                      patching.logit_diff_metric(pairs.correct, pairs.incorrect), method="eap")
+    place = circuits._Placement(graph.sizes)
+    where = {b: place.box(b) for b in {place.box_of(n) for n in graph.nodes} | {"input", "logits"}}
+    t = torch.linspace(0, 1, 41)
+    for writer, reader in graph.edges:
+        own = {place.box_of(writer), place.box_of(reader)}
+        others = torch.tensor([where[b] for b in where if b not in own])  # [box (x y width)]
+        points = place.route(place.source(writer), place.port(reader), [tuple(b) for b in others.tolist()])
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            x, y = x0 + t * (x1 - x0), y0 + t * (y1 - y0)  # [sample]
+            inside = ((x[:, None] - others[:, 0]).abs() < others[:, 2] / 2 + 0.02) & \
+                     ((y[:, None] - others[:, 1]).abs() < 0.19)  # the box and its rounded pad
+            assert not bool(inside.any()), f"{writer} -> {reader} crosses a box"
+    fig = graph.top(10).plot()
+    ax = fig.axes[0]
+    assert ax.get_title() == "circuit: 10 edges, scored by eap"
+    drawn_kv = [b for b in {place.box_of(n) for n in graph.top(10).nodes} if place.is_kv_box(b)]
+    joins = [line for line in ax.lines if line.get_color() == "#777777"]
+    assert len(joins) == len(drawn_kv) * place.groups
+    tops = {(line.get_xdata()[0], line.get_ydata()[0]) for line in joins}
+    for kv in drawn_kv:  # a line leaves the top of each key/value head's box
+        x, y, _ = place.box(kv)
+        assert (x, y + 0.17) in tops
+    assert any(place.is_kv_box(b) for b in where) == (model.cfg.n_key_value_heads < model.cfg.n_heads)
+    plt.close(fig)
+
+
 def test_bad_arguments_are_clear_and_leave_no_hook(tl_model):
     clean, corrupted = prompts(tl_model)
     with pytest.raises(ValueError, match="method must be one of"):

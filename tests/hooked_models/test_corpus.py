@@ -358,6 +358,31 @@ def test_patch_is_the_mean_over_pairs(family):
         assert abs(result.corrupted_metric - whole.corrupted_metric) <= bound
 
 
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_patch_keeps_each_pairs_values_whatever_order_chunks_finish_in(order, monkeypatch):
+    """Ray finishes chunks in any order; the local engine always in order, so it cannot show a result
+    combined in finishing order. An engine that yields its rows out of order, deterministically, can:
+    each pair must still get its own values (the mean alone would not notice)."""
+    module = sys.modules[corpus.patch.__module__]  # where `patch` looks its engine up
+    in_order = module.run
+
+    def out_of_order(*args, **kwargs):
+        rows = list(in_order(*args, **kwargs))
+        permutation = (range(len(rows) - 1, -1, -1) if order == "reversed"
+                       else torch.randperm(len(rows), generator=torch.Generator().manual_seed(1)).tolist())
+        assert list(permutation) != list(range(len(rows)))
+        yield from (rows[i] for i in permutation)
+
+    monkeypatch.setattr(module, "run", out_of_order)
+    model = HookedArcee.from_pretrained("embedded")
+    pairs = ioi_pairs(model, 14, seed=2)
+    singles = single_pair_results(model, pairs, lambda rows: patching.logit_diff_metric(rows["answer"], rows["wrong"]))
+    each = corpus.patch(model, pairs, "layer_input", ("layer", "seq"), chunk_size=4, per_pair=True)  # 4 chunks
+    assert torch.equal(each.pair_values, torch.stack([s.values for s in singles]))
+    assert each.pair_clean_metric.tolist() == [s.clean_metric for s in singles]
+    assert each.pair_corrupted_metric.tolist() == [s.corrupted_metric for s in singles]
+
+
 def test_patch_with_a_custom_metric_from_a_saved_dataset(tmp_path):
     model = HookedArcee.from_pretrained("embedded")
     pairs = ioi_pairs(model, 12, seed=1)

@@ -6,6 +6,7 @@ model exactly. SAELens's own SAEs are tested in test_saes_sae_lens.py (the SAE e
 import pytest
 import torch
 import torch.nn as nn
+from transformer_lens.hook_points import HookPoint
 
 from hooked_models.hooks import ValueHook
 
@@ -26,6 +27,23 @@ class PlainSAE(nn.Module):
 
     def decode(self, acts):
         return acts @ self.W_dec + self.b_dec
+
+
+class HookedPlainSAE(PlainSAE):
+    """PlainSAE with HookPoints of its own, fired inside encode and decode where SAELens's SAEs fire theirs:
+    the splice must use them as the SAE's hooks and turn them off for the clean reconstruction."""
+
+    def __init__(self, d_in: int, d_sae: int, seed: int = 0):
+        super().__init__(d_in, d_sae, seed)
+        self.hook_sae_input, self.hook_sae_acts_pre = HookPoint(), HookPoint()
+        self.hook_sae_acts_post, self.hook_sae_recons = HookPoint(), HookPoint()
+
+    def encode(self, x):
+        pre = self.hook_sae_acts_pre((self.hook_sae_input(x) - self.b_dec) @ self.W_enc + self.b_enc)
+        return self.hook_sae_acts_post(torch.relu(pre))
+
+    def decode(self, acts):
+        return self.hook_sae_recons(acts @ self.W_dec + self.b_dec)
 
 
 class Truncating(nn.Module):
@@ -109,11 +127,13 @@ def test_error_term_leaves_every_value_bit_for_bit_and_reads_the_features(tl_mod
     assert bool((acts > 0).any()) and bool((acts == 0).any())
 
 
-def test_patching_a_feature_moves_the_output_by_its_reconstruction(tl_model, tokens):
+@pytest.mark.parametrize("sae_class", [PlainSAE, HookedPlainSAE])
+def test_patching_a_feature_moves_the_output_by_its_reconstruction(tl_model, tokens, sae_class):
     model = tl_model
     name = "blocks.1.hook_resid_pre"
-    sae = PlainSAE(width(model, name), 12)
-    feature = int(sae.encode(model.run_with_cache(tokens)[1][name]).sum((0, 1)).argmax())
+    sae = sae_class(width(model, name), 12)
+    plain = PlainSAE(width(model, name), 12)  # the same weights, no hooks: the edit's effect computed apart
+    feature = int(plain.encode(model.run_with_cache(tokens)[1][name]).sum((0, 1)).argmax())
 
     def ablate(acts, hook):
         acts = acts.clone()
@@ -121,8 +141,8 @@ def test_patching_a_feature_moves_the_output_by_its_reconstruction(tl_model, tok
         return acts
 
     def reference(value, hook):
-        acts = sae.encode(value)
-        return value - (sae.decode(acts) - sae.decode(ablate(acts, hook)))
+        acts = plain.encode(value)
+        return value - (plain.decode(acts) - plain.decode(ablate(acts, hook)))
 
     with torch.no_grad():
         patched = model.run_with_hooks_with_saes(tokens, saes={name: sae}, use_error_term=True,

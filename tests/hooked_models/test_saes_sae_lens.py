@@ -214,6 +214,41 @@ def test_sae_lens_saes_splice_by_their_own_hook_name(model_and_tokens, hook):
     assert model.acts_to_saes == {} and sae.hook_sae_acts_post.name == "hook_sae_acts_post"
 
 
+def test_editing_a_sae_lens_feature_moves_the_output_by_its_reconstruction(model_and_tokens):
+    """With the error term, an edit to a StandardSAE's features (its own hook_sae_acts_post, fired inside its
+    encode) moves the value by the edit's effect on the reconstruction, computed here from the SAE's weights.
+    The clean reconstruction must run with the SAE's hooks off, or the edit cancels itself out."""
+    model, tokens = model_and_tokens
+    tokens, hook = tokens[:2], "blocks.1.hook_resid_pre"
+    sae = standard_sae(hook, activations(model, tokens[:1], hook).shape[-1])
+
+    def encode(x):  # StandardSAE's arithmetic, written out
+        return torch.relu((x - sae.b_dec) @ sae.W_enc + sae.b_enc)
+
+    def decode(acts):
+        return acts @ sae.W_dec + sae.b_dec
+
+    feature = int(encode(activations(model, tokens, hook)).sum((0, 1)).argmax())
+
+    def edit(acts, hook):
+        acts = acts.clone()
+        acts[..., feature] *= 3.0
+        return acts
+
+    def expected_edit(value, hook):
+        acts = encode(value)
+        return value - (decode(acts) - decode(edit(acts, hook)))
+
+    with torch.no_grad():
+        base = model(tokens)
+        edited = model.run_with_hooks_with_saes(tokens, saes=[sae], use_error_term=True,
+                                                fwd_hooks=[(f"{hook}.hook_sae_acts_post", edit)])
+        expected = model.run_with_hooks(tokens, fwd_hooks=[(hook, expected_edit)])
+    assert float((expected - base).abs().max()) > 0.1  # the edit matters
+    torch.testing.assert_close(edited, expected, rtol=1e-5, atol=1e-5)
+    assert model.acts_to_saes == {}
+
+
 def test_hooked_sae_transformers_own_path_is_not_silently_broken(model_and_tokens):
     """HookedSAETransformer.add_sae sets its wrapper where the hook's name points (set_deep_attr):
     at a TransformerLens name here that is refused, instead of a module nothing calls."""

@@ -2,6 +2,7 @@
 
 from html.parser import HTMLParser
 
+import pytest
 import torch
 
 from hooked_models.vocabulary import LAYOUTS, STANDARD_VALUES, SYNONYMS, VALUES, tl_module_path
@@ -103,6 +104,22 @@ class _Table(HTMLParser):
     def handle_data(self, data):
         if self._cell is not None:
             self._cell += data
+
+
+@pytest.mark.parametrize("family", ["arcee", "alpha_er"])
+def test_support_prints_rows_a_terminal_can_read(family):
+    """Each value: its name and layout on one line, its meaning, where it is read and its TransformerLens
+    name wrapped below, every line within 110 characters (the embedded models' longest names)."""
+    from hooked_models import HookedAlphaEr, HookedArcee
+
+    support = (HookedArcee if family == "arcee" else HookedAlphaEr).from_pretrained("embedded").support()
+    text = str(support)
+    assert max(len(line) for line in text.splitlines()) <= 110
+    flat = " ".join(text.split())
+    for row in support:
+        assert f"{row.name} {row.layout} {row.meaning}; read at {row.read_at}." in flat
+        if row.tl_name:
+            assert f"read at {row.read_at}. TransformerLens: {row.tl_name}." in flat
 
 
 def test_support_shows_its_table_at_a_prompt_and_in_jupyter(tiny_arcee):

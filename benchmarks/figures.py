@@ -1,0 +1,408 @@
+"""The READMEs' benchmark figures, rendered from the benchmarks' results files: one source for every figure.
+
+    python benchmarks/figures.py            # rewrite the generated parts of README.md and benchmarks/README.md
+    python benchmarks/figures.py --check    # exit 1, naming the part, where one differs from its rendering
+
+Each benchmark writes its figures to benchmarks/results/<name>.json (benchmarks/common.py's `Results`:
+the command, the date, the machine's load before and after, the medians). Here each generated part of a
+README is a function of those files; in the README it sits between `<!-- figures: NAME -->` and
+`<!-- /figures -->` (a table, a sentence, or a single figure inside a sentence), so a summary row and its
+table are two renderings of one number and cannot drift apart. tests/test_benchmark_figures.py checks that
+every part is what its results render to.
+"""
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+PART = re.compile(r"<!-- figures: (?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures -->", re.S)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def cpu(record: dict, *path: str) -> float:
+    """The median CPU seconds of a contender, at `path` under the record's figures."""
+    figure = record["figures"]
+    for key in path:
+        figure = figure[key]
+    return figure["cpu_s"]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f} ms" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def when(record: dict) -> str:
+    """The date and the machine's load (1-minute load average before and after the run)."""
+    loads = [record["machine"][k] for k in ("load_average_before", "load_average_after")]
+    if record.get("published") or not all(loads):
+        return f"{record['date']}, published figures (not rerun: see its results file)"
+    low, high = sorted((loads[0][0], loads[1][0]))
+    return f"{record['date'][:10]}, load average {low:.1f}-{high:.1f} on {record['machine']['cores']} cores"
+
+
+def kept(name: str, before: str = " (", after: str = ")") -> str:
+    """A note for figures kept from an earlier run (their results file says "published"), else nothing."""
+    record = load(name)
+    return f"{before}published {record['date']}, not rerun{after}" if record.get("published") else ""
+
+
+# ----------------------------------------------------------------------------------------- figures
+def forward_ratios(name: str = "forward") -> dict[str, float]:
+    r = load(name)
+    return {
+        "forward": cpu(r, "forward", "HookedArcee") / cpu(r, "forward", "transformers ArceeForCausalLM (sdpa)"),
+        "cache": cpu(r, "run_with_cache", "HookedArcee.run_with_cache")
+        / cpu(r, "run_with_cache", "TransformerBridge.run_with_cache"),
+        "floor": cpu(r, "run_with_cache", "the same matmuls alone (a floor)")
+        / cpu(r, "run_with_cache", "TransformerBridge.run_with_cache"),
+        "alpha_er": cpu(r, "alpha_er", "HookedAlphaEr") / cpu(r, "alpha_er", "alpha-er reference"),
+    }
+
+
+def sweeps(name: str) -> dict[str, dict]:
+    """{sweep: {"speed_up", "floor", "ours", "theirs"}} of a patching results file (one model)."""
+    (model,) = load(name)["figures"].values()
+    out = {}
+    for sweep, f in model["sweeps"].items():
+        if "speed_up" in f:  # published figures: the ratios only
+            out[sweep] = {"speed_up": f["speed_up"], "floor": f["floor"], "ours": None, "theirs": None}
+        else:
+            ours, theirs = f["hooked_models"]["cpu_s"], f["transformer_lens"]["cpu_s"]
+            out[sweep] = {"speed_up": theirs / ours, "floor": f["floor"], "ours": ours, "theirs": theirs}
+    return out
+
+
+CIRCUIT_MODELS = {"arcee": "HookedArcee embedded (GQA 4/2 heads, 2 layers)",
+                  "alpha_er": "HookedAlphaEr embedded (MHA 4 heads, 2 layers)",
+                  "mha": "HookedArcee random (MHA 8 heads, 4 layers)"}
+TL_EDGE = "TransformerLens attribution_patch, edge"
+
+
+def circuits() -> dict[str, dict]:
+    """Per model: edges and CPU seconds of EAP-IG, EAP, edge_patch of every edge, TransformerLens's edge EAP."""
+    r = load("circuits")
+    out = {}
+    for key, label in CIRCUIT_MODELS.items():
+        m = r["figures"]["models"][label]
+        ig = next(v["cpu_s"] for k, v in m.items() if k.startswith("circuits EAP-IG"))
+        out[key] = {"edges": m["edges"], "ig": ig, "eap": m["circuits EAP"]["cpu_s"],
+                    "exact": m["circuits edge_patch, every edge"]["cpu_s"],
+                    "tl": m[TL_EDGE]["cpu_s"] if TL_EDGE in m else None}
+    return out
+
+
+def circuit_ranges() -> dict[str, str]:
+    c = circuits()
+    exact = [c[k]["exact"] / c[k]["ig"] for k in ("arcee", "mha")]
+    tl = [(v["tl"] / v["ig"], v["tl"] / v["eap"]) for v in c.values() if v["tl"] is not None]
+    return {"exact": f"1/{exact[0]:.0f}", "exact_mha": f"1/{exact[1]:.0f}",
+            "exact_all": ", ".join(f"{c[k]['exact'] / c[k]['ig']:.1f}x" for k in CIRCUIT_MODELS),
+            "tl_ig": f"{min(t for t, _ in tl):.1f}-{max(t for t, _ in tl):.1f}x",
+            "tl_eap": f"{min(e for _, e in tl):.0f}-{max(e for _, e in tl):.0f}x",
+            "tl_alpha_er": f"{c['alpha_er']['tl'] / c['alpha_er']['ig']:.1f}x",
+            "tl_mha": f"{c['mha']['tl'] / c['mha']['ig']:.1f}x"}
+
+
+def generate_ratios() -> tuple[float, float]:
+    rate = load("generate")["figures"]["tokens_per_s"]
+    return rate["HookedArcee"] / rate["transformers"], rate["HookedArcee + hook"] / rate["transformers + hook"]
+
+
+def corpus() -> dict[str, float]:
+    f = load("corpus")["figures"]
+    wall = {k: v["wall_s"] for k, v in f["throughput"].items()}
+    return {"ray1": wall["ray, 1 worker"] / wall["local"], "ray2": wall["ray, 2 workers"] / wall["local"],
+            "memory": f["memory"]["10x"]["peak"] / f["memory"]["1x"]["peak"], "wall": wall, "tokens": f["tokens"],
+            "peaks": f["memory"]}
+
+
+def load_ratio() -> float:
+    f = load("load_4_5b")["figures"]
+    return f["peak_rss_after_load"] / f["checkpoint_bytes"]
+
+
+# ----------------------------------------------------------------------------------------- parts
+def speed_table() -> str:
+    """README.md's Speed and memory table."""
+    fw, small = forward_ratios(), forward_ratios("forward_overhead")
+    s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
+    arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
+    cr, co = circuit_ranges(), corpus()
+    gen, gen_hook = generate_ratios()
+    li, ho = "layer_input", "attention_head_outputs"
+    rows = [
+        ("`HookedArcee` forward / transformers `ArceeForCausalLM` (sdpa)", f"{fw['forward']:.3f}x", "<= 1.05x"),
+        ("`run_with_cache` of every hook / TransformerLens 4.3 `TransformerBridge` `run_with_cache`",
+         f"{fw['cache']:.3f}x", f"<= 0.8x (not met: its matrix multiplications alone take {fw['floor']:.3f}x)"),
+        ("same, overhead-bound shape (8 layers x 64 wide, 1 x 16)", f"{small['cache']:.2f}x", ""),
+        ("activation patching / `transformer_lens.patching` (one forward per patch), random Arcee 8 layers x 1024 "
+         "(GQA 8/2 x 128, MLP 4096, vocab 8192, YaRN as AFM), induction 4 pairs x 14 positions: `layer_input` by "
+         "layer x position (`get_act_patch_resid_pre`)",
+         f"{s8[li]['speed_up']:.2f}x faster (FLOP floor {s8[li]['floor']:.2f}x)", ">= 3.5x"),
+        ("same model, `attention_head_outputs` by layer x head, all positions (`get_act_patch_attn_head_out_all_pos`)",
+         f"{s8[ho]['speed_up']:.2f}x faster (floor {s8[ho]['floor']:.2f}x)", ">= 1.8x"),
+        (f"same two sweeps, 32 layers x 1024{kept('patching_size_32')}",
+         f"{s32[li]['speed_up']:.2f}x / {s32[ho]['speed_up']:.2f}x faster (floors {s32[li]['floor']:.2f}x / "
+         f"{s32[ho]['floor']:.2f}x)", ""),
+        ("same two sweeps, embedded IOI models (32 pairs x 16 positions), Arcee / alpha-er",
+         f"{arcee[li]['speed_up']:.1f}x / {arcee[ho]['speed_up']:.1f}x, {alpha[li]['speed_up']:.1f}x / "
+         f"{alpha[ho]['speed_up']:.1f}x faster", "no slower than before (5.9x)"),
+        ("`HookedAlphaEr` forward / the reference arithmetic (released size, 4 x 256)", f"{fw['alpha_er']:.2f}x", ""),
+        (f"peak memory loading a synthetic AFM-4.5B checkpoint ({load('load_4_5b')['figures']['checkpoint_bytes'] / 1e9:.2f}"
+         f" GB bf16, {load('load_4_5b')['figures']['shards']} shards{kept('load_4_5b', '; ', '')})",
+         f"{load_ratio():.2f}x its size, {load('load_4_5b')['figures']['load_s']:.1f} s", "<= 1.15x"),
+        ("`generate` tokens/s / transformers `generate` (4 layers x 512, batch 1, 64 tokens)",
+         f"{gen:.2f}x ({gen_hook:.2f}x with a hook each)", ""),
+        ("every edge's EAP-IG score (5 steps) / TransformerLens 4.3 edge `attribution_patch` (plain EAP; embedded "
+         "alpha-er, 16 pairs)", f"{cr['tl_alpha_er']} faster ({cr['tl_mha']} on a 4-layer, 8-head MHA Arcee)", ""),
+        ("`corpus.harvest` time, Ray with 1 worker / local (4 layers x 256, 262k tokens, wall clock)",
+         f"{co['ray1']:.2f}x (2 workers: {co['ray2']:.2f}x)", "<= 1.3x"),
+        ("peak memory of a harvest over 10x the corpus / 1x (same batch size)", f"{co['memory']:.3f}x", "<= 1.2x"),
+    ]
+    lines = ["| | ratio | target |", "|---|---:|---|"] + [f"| {a} | {b} | {t} |" for a, b, t in rows]
+    return "\n".join(lines)
+
+
+def measured() -> str:
+    """When and under what load the figures were measured, from the results files."""
+    names = sorted(p.stem for p in RESULTS.glob("*.json"))
+    records = [load(n) for n in names]
+    measured = [r for r in records if not r.get("published")]
+    loads = [x for r in measured for x in (r["machine"]["load_average_before"][0], r["machine"]["load_average_after"][0])]
+    dates = sorted({r["date"][:10] for r in measured})
+    published = ", ".join(f"`{r['benchmark']}` ({r['date']})" for r in records if r.get("published"))
+    versions = sorted({", ".join(f"{k} {v}" for k, v in r["versions"].items() if v) for r in measured})
+    text = (f"Measured {' and '.join(dates)} ({'; '.join(versions)}) on a 2-core machine shared with other "
+            f"developers' jobs: load average "
+            f"{min(loads):.1f} to {max(loads):.1f} during the runs (each results file records its own). CPU time of "
+            f"the benchmark process, one thread, contenders interleaved (the corpus rows: wall clock, median of "
+            f"{load('corpus')['figures']['rounds']}, which such load stretches at random)."
+            + (f" Kept from earlier runs, not rerun: {published}." if published else ""))
+    return textwrap.fill(text, 110, break_on_hyphens=False)
+
+
+def summary_table() -> str:
+    """benchmarks/README.md's summary: one row per comparison, the command that measures it."""
+    fw, small = forward_ratios(), forward_ratios("forward_overhead")
+    rows = []
+    commands = {n: load(n)["command"] for n in ("forward", "forward_overhead", "patching_size_8", "patching_size_32",
+                                                 "patching_arcee", "patching_alpha-er", "generate", "circuits",
+                                                 "load_4_5b", "corpus")}
+    s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
+    arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
+    cr, co = circuit_ranges(), corpus()
+    gen, gen_hook = generate_ratios()
+    li, ho = "layer_input", "attention_head_outputs"
+
+    def sweep_cell(s, sweep):
+        times = f"; {s[sweep]['ours'] * 1e3:,.0f} vs {s[sweep]['theirs'] * 1e3:,.0f} ms" if s[sweep]["ours"] else ""
+        return f"{s[sweep]['speed_up']:.2f}x (floor {s[sweep]['floor']:.2f}x{times})"
+
+    rows += [
+        (commands["forward"], "`HookedArcee` forward / transformers (sdpa)", f"{fw['forward']:.3f}"),
+        ("", "`run_with_cache` of every hook / TransformerBridge `run_with_cache`",
+         f"{fw['cache']:.3f} (floor {fw['floor']:.3f})"),
+        ("", "`HookedAlphaEr` forward / the reference", f"{fw['alpha_er']:.3f}"),
+        (commands["forward_overhead"], "overhead-bound shape: `run_with_cache` / the bridge's", f"{small['cache']:.3f}"),
+        (commands["patching_size_8"], "8 × 1024: `layer_input` layer × pos, TL / ours", sweep_cell(s8, li)),
+        ("", "8 × 1024: `attention_head_outputs` layer × head, TL / ours", sweep_cell(s8, ho)),
+        (commands["patching_size_32"], f"32 × 1024, the same two sweeps (1 round{kept('patching_size_32', '; ', '')})",
+         f"{s32[li]['speed_up']:.2f}x / {s32[ho]['speed_up']:.2f}x (floors {s32[li]['floor']:.2f}x / "
+         f"{s32[ho]['floor']:.2f}x)"),
+        (commands["patching_arcee"], "embedded Arcee, the same two sweeps",
+         f"{arcee[li]['speed_up']:.2f}x / {arcee[ho]['speed_up']:.2f}x"),
+        (commands["patching_alpha-er"], "embedded alpha-er", f"{alpha[li]['speed_up']:.2f}x / {alpha[ho]['speed_up']:.2f}x"),
+        (commands["generate"], "`generate` tokens/s / transformers' (plain; each with a hook)",
+         f"{gen:.2f}; {gen_hook:.2f}"),
+        (commands["circuits"], "TL edge `attribution_patch` / our EAP-IG (5 steps): embedded alpha-er; 4-layer "
+         "8-head MHA Arcee", f"{cr['tl_alpha_er']}; {cr['tl_mha']}"),
+        ("", "`edge_patch` of every edge / EAP-IG: embedded Arcee, embedded alpha-er, MHA Arcee", cr["exact_all"]),
+        (commands["load_4_5b"], f"peak RSS loading AFM-4.5B's shape / its checkpoint{kept('load_4_5b')}",
+         f"{load_ratio():.3f}"),
+        (commands["corpus"], "harvest, Ray 1 worker / local (wall clock)", f"{co['ray1']:.2f} (2 workers: {co['ray2']:.2f})"),
+        ("", "peak RSS, 10x the corpus / 1x", f"{co['memory']:.3f}"),
+    ]
+    lines = ["| command | comparison | ratio |", "|---|---|---:|"]
+    lines += [f"| {f'`{cmd}`' if cmd else ''} | {what} | {ratio} |" for cmd, what, ratio in rows]
+    return "\n".join(lines)
+
+
+def forward_table() -> str:
+    r, fw = load("forward"), forward_ratios()
+    f = r["figures"]
+    hf, bridge = "transformers ArceeForCausalLM (sdpa)", "TransformerBridge.run_with_cache"
+    counts = f["cached_values"]
+    rows = [
+        ("transformers `ArceeForCausalLM` (sdpa), forward", cpu(r, "forward", hf), "1.000", ""),
+        ("`HookedArcee`, forward, no hooks", cpu(r, "forward", "HookedArcee"), f"**{fw['forward']:.3f}**",
+         "<= 1.05 " + ("met" if fw["forward"] <= 1.05 else "**not met**")),
+        (f"TransformerLens 4.3 `TransformerBridge.boot_transformers(dir)`, `run_with_cache` "
+         f"({counts['TransformerBridge']} values)", cpu(r, "run_with_cache", bridge), "1.000", ""),
+        (f"`HookedArcee.run_with_cache`, every hook ({counts['HookedArcee']} values)",
+         cpu(r, "run_with_cache", "HookedArcee.run_with_cache"), f"**{fw['cache']:.3f}**", "<= 0.8 **not met**"),
+        ("the same matrix multiplications alone (`gemm_floor`)",
+         cpu(r, "run_with_cache", "the same matmuls alone (a floor)"), f"**{fw['floor']:.3f}**", "the floor"),
+        ("alpha-er reference (plain torch, `alpha_er_reference.py`), released size, 4 x 256",
+         cpu(r, "alpha_er", "alpha-er reference"), "1.000", ""),
+        ("`HookedAlphaEr` forward", cpu(r, "alpha_er", "HookedAlphaEr"), f"**{fw['alpha_er']:.3f}**", ""),
+    ]
+    lines = ["| contender | CPU time | ratio | target |", "|---|---:|---:|---|"]
+    lines += [f"| {a} | {ms(t)} | {ratio} | {target} |" for a, t, ratio, target in rows]
+    above_bridge = 1 - fw["floor"]
+    above_ours = fw["cache"] - fw["floor"]
+    lines += ["", f"Measured {when(r)}. The floor alone takes {fw['floor']:.3f}x the bridge's `run_with_cache`; above "
+              f"it, the bridge spends {above_bridge:.1%} of its time and we spend {above_ours:.1%} (of the bridge's)."]
+    return "\n".join(lines)
+
+
+def overhead_table() -> str:
+    r, small = load("forward_overhead"), forward_ratios("forward_overhead")
+    hf, bridge = "transformers ArceeForCausalLM (sdpa)", "TransformerBridge.run_with_cache"
+    rows = [("transformers forward", cpu(r, "forward", hf), "1.000"),
+            ("`HookedArcee` forward", cpu(r, "forward", "HookedArcee"), f"{small['forward']:.3f}"),
+            ("bridge `run_with_cache`", cpu(r, "run_with_cache", bridge), "1.000"),
+            ("`HookedArcee.run_with_cache`", cpu(r, "run_with_cache", "HookedArcee.run_with_cache"),
+             f"**{small['cache']:.3f}**"),
+            ("the same matrix multiplications alone", cpu(r, "run_with_cache", "the same matmuls alone (a floor)"),
+             f"{small['floor']:.3f}")]
+    lines = ["| contender | CPU time | ratio |", "|---|---:|---:|"]
+    lines += [f"| {a} | {ms(t)} | {ratio} |" for a, t, ratio in rows]
+    return "\n".join(lines + ["", f"Measured {when(r)}."])
+
+
+def patching_table() -> str:
+    li, ho = "layer_input", "attention_head_outputs"
+    models = [("8 x 1024", "patching_size_8"), ("32 x 1024", "patching_size_32"),
+              ("embedded Arcee (IOI, 32 pairs x 16)", "patching_arcee"), ("embedded alpha-er", "patching_alpha-er")]
+    targets = {("patching_size_8", li): ">= 3.5x", ("patching_size_8", ho): ">= 1.8x"}
+    names = {li: "`layer_input`, layer x position", ho: "`attention_head_outputs`, layer x head, all positions"}
+    lines = ["| model | sweep | hooked_models | TransformerLens | speed-up | floor | target | measured |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
+    for label, name in models:
+        record = load(name)
+        (model,) = record["figures"].values()
+        for sweep, s in sweeps(name).items():
+            target = targets.get((name, sweep), "")
+            if target:
+                target += " met" if s["speed_up"] >= float(target[3:-1]) else " **not met**"
+            ours = ms(s["ours"]) if s["ours"] else "(not published)"
+            theirs = ms(s["theirs"]) if s["theirs"] else "(not published)"
+            lines.append(f"| {label} | {names[sweep]} | {ours} | {theirs} | **{s['speed_up']:.2f}x** | "
+                         f"{s['floor']:.2f}x | {target} | {when(record)}; median of {model['rounds']} |")
+    return "\n".join(lines)
+
+
+def load_table() -> str:
+    r = load("load_4_5b")
+    f = r["figures"]
+    rows = [("checkpoint", f"{f['checkpoint_bytes'] / 1e9:.2f} GB in {f['shards']} shards"),
+            ("load time (progress bar shown)", f"{f['load_s']:.1f} s"),
+            ("peak RSS of the loading process (VmHWM)",
+             f"{f['peak_rss_after_load'] / 1e9:.2f} GB = **{load_ratio():.3f}x** the checkpoint (target <= 1.15x)"),
+            ("of which interpreter + imports before loading", f"{f['baseline_rss'] / 1e9:.2f} GB"),
+            ("bfloat16 forward, 1 x 16 tokens, CPU", f"{f['forward_s']:.1f} s, finite logits: {f['logits_finite']}")]
+    lines = ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines + ["", f"Measured {when(r)}."])
+
+
+def circuits_table() -> str:
+    r, c = load("circuits"), circuits()
+    labels = {"arcee": "embedded Arcee (GQA 4/2 heads, 2 layers)",
+              "alpha_er": "embedded alpha-er (MHA 4 heads, 2 layers, 4 experts)",
+              "mha": "random Arcee (MHA 8 heads, 4 layers, hidden 128)"}
+    lines = ["| model | edges | EAP-IG (5 steps) | EAP | `edge_patch`, every edge | TransformerLens edge EAP |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for key, v in c.items():
+        tl = f"{ms(v['tl'])} ({v['tl'] / v['ig']:.1f})" if v["tl"] is not None else "refuses GQA"
+        lines.append(f"| {labels[key]} | {v['edges']} | {ms(v['ig'])} (1.0) | {ms(v['eap'])} ({v['eap'] / v['ig']:.2f}) | "
+                     f"{ms(v['exact'])} ({v['exact'] / v['ig']:.1f}) | {tl} |")
+    return "\n".join(lines + ["", f"Measured {when(r)}; median of {r['figures']['rounds']} interleaved rounds."])
+
+
+def circuits_sentence() -> str:
+    cr = circuit_ranges()
+    return (f"every edge's EAP-IG score costs {cr['exact']} (embedded Arcee) to {cr['exact_mha']} (a 4-layer, 8-head "
+            f"Arcee, {circuits()['mha']['edges']} edges) of patching every edge exactly, and TransformerLens's edge EAP "
+            f"takes {cr['tl_ig']} our EAP-IG and {cr['tl_eap']} our EAP")
+
+
+def corpus_tables() -> str:
+    r, co = load("corpus"), corpus()
+    wall, tokens = co["wall"], co["tokens"]
+    lines = ["| contender | time | tokens/s | / local |", "|---|---:|---:|---:|"]
+    for name, label in (("local", '`engine="local"`'), ("ray, 1 worker", '`engine="ray"`, 1 worker'),
+                        ("ray, 2 workers", '`engine="ray"`, 2 workers')):
+        ratio = wall[name] / wall["local"]
+        shown = f"**{ratio:.2f}** (target <= 1.3, {'met' if ratio <= 1.3 else '**not met**'})" \
+            if name == "ray, 1 worker" else f"{ratio:.2f}"
+        lines.append(f"| {label} | {wall[name]:.1f} s | {tokens / wall[name]:,.0f} | {shown} |")
+    lines += ["", f"Measured {when(r)}; outputs identical bytes: {r['figures']['identical_outputs']}.", "",
+              "| corpus | shards | time | peak RSS |", "|---|---:|---:|---:|"]
+    for scale, p in co["peaks"].items():
+        lines.append(f"| {scale} ({p['rows']} windows) | {p['shards']} | {p['seconds']:.1f} s | "
+                     f"{p['peak'] / 2**20:.1f} MiB |")
+    lines.append(f"| 10x / 1x | | | **{co['memory']:.3f}** (target <= 1.2, {'met' if co['memory'] <= 1.2 else '**not met**'}) |")
+    baseline = co["peaks"]["1x"]["baseline"] / 2**20
+    lines += ["", f"Of the peak, {baseline:.0f} MiB is the interpreter and its imports."]
+    return "\n".join(lines)
+
+
+PARTS = {
+    "speed-table": speed_table,
+    "speed-measured": measured,
+    "summary": summary_table,
+    "forward": forward_table,
+    "forward-overhead": overhead_table,
+    "patching": patching_table,
+    "load": load_table,
+    "load-ratio": lambda: f"{load_ratio():.2f}x",
+    "circuits": circuits_table,
+    "circuits-sentence": circuits_sentence,
+    "corpus": corpus_tables,
+    "corpus-memory": lambda: f"{corpus()['memory']:.3f}x",
+}
+
+
+def render(text: str) -> str:
+    """`text` with every generated part rendered from the results (a block keeps its line breaks around)."""
+
+    def part(match: re.Match) -> str:
+        name, body = match["name"], match["body"]
+        if name not in PARTS:
+            raise KeyError(f"unknown figures part {name!r}; known: {', '.join(PARTS)}")
+        block = body.startswith("\n")
+        rendered = "\n".join(line if line.startswith("|") or len(line) <= 110 else
+                             textwrap.fill(line, 110, break_on_hyphens=False) for line in PARTS[name]().split("\n"))
+        return f"<!-- figures: {name} -->" + (f"\n{rendered}\n" if block else rendered) + "<!-- /figures -->"
+
+    return PART.sub(part, text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a part is stale")
+    args = parser.parse_args()
+    stale = []
+    for document in DOCUMENTS:
+        text = document.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(document.relative_to(ROOT))
+            if not args.check:
+                document.write_text(new)
+    if args.check and stale:
+        sys.exit(f"stale benchmark figures in {', '.join(map(str, stale))}: run python benchmarks/figures.py")
+    print(("stale: " if args.check else "rewrote: ") + ", ".join(map(str, stale)) if stale else "up to date")
+
+
+if __name__ == "__main__":
+    main()
