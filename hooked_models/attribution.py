@@ -203,7 +203,7 @@ class AttributionGraph:
         data = {
             "metadata": {"slug": slug, "scan": self.model_name or "hooked_models",
                          "transcoder_list": list(self.transcoder_names), "prompt_tokens": pruned._str_tokens(),
-                         "prompt": self.prompt, "node_threshold": pruned.node_threshold},
+                         "prompt": self.prompt, "node_threshold": pruned.node_threshold, "schema_version": 1},
             "qParams": {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""},
             "nodes": [n for n in nodes.values() if n["node_id"] in linked or n["feature_type"] in ("embedding", "logit")],
             "links": links,
@@ -224,12 +224,15 @@ class AttributionGraph:
                 "clerp": "", "influence": influence, "activation": None}
         if kind == "feature":
             feature = int(self.active_features[i, 2])
-            node.update(node_id=f"{layer}_{feature}_{pos}", feature=feature, layer=str(layer),
+            # The viewer's feature id: Cantor's pairing of (layer, index), one integer per feature.
+            paired = (layer + feature) * (layer + feature + 1) // 2 + feature
+            node.update(node_id=f"{layer}_{feature}_{pos}", feature=paired, layer=str(layer),
                         feature_type=FEATURE_TYPES[0], jsNodeId=f"{layer}_{feature}-0",
                         activation=float(self.activation_values[i]))
         elif kind == "error":
-            node.update(node_id=f"0_{layer}_{pos}", feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
-                        jsNodeId=f"{layer}_{pos}-0")
+            # Index -1, never a feature's, so that no error id aliases a feature's.
+            node.update(node_id=f"{layer}_-1_{pos}", feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
+                        jsNodeId=f"{layer}_-1-{pos}")
         elif kind == "embedding":
             token = int(self.tokens[pos])
             node.update(node_id=f"E_{token}_{pos}", feature=pos, layer="E", feature_type=FEATURE_TYPES[2],
@@ -559,6 +562,8 @@ def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_
                     skips[:, :, layer] = part
         finally:
             holder.gate = None
+        # A pass letting head h through also carries what skips the layer: that is counted once, apart.
+        loadings[:, :, layer] -= skips[:, :, layer, None]
     return rows, loadings, skips
 
 
