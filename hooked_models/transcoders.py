@@ -412,6 +412,10 @@ class TranscoderSet(_Set):
     def __iter__(self):
         return iter(self.transcoders)
 
+    def spliced_modules(self) -> list[Transcoder]:
+        """What `model.add_sae(set)` and `model.saes(set)` splice: each layer's transcoder."""
+        return list(self.transcoders)
+
     def encode(self, layer: int, x: Float[Tensor, "... d_in"], apply_activation: bool = True
                ) -> Float[Tensor, "... d_transcoder"]:
         """Layer `layer`'s features of its MLP input `x`."""

@@ -189,3 +189,110 @@ def test_init_transcoder_gives_unit_decoder_rows():
     init_transcoder_(tc, seed=3, threshold=0.1)
     torch.testing.assert_close(tc.W_dec.norm(dim=-1), torch.ones(32))
     assert torch.equal(tc.W_enc, tc.W_dec.T) and torch.equal(tc.threshold, torch.full((32,), 0.1))
+
+
+# ------------------------------------------------------------------------------ the replacement model
+def random_set(model, activation="relu", k=None, skip=True, d_transcoder=48):
+    d = model.cfg.hidden_size
+    return TranscoderSet([random_(Transcoder(d, d_transcoder, layer=l, activation=activation, k=k, skip=skip), l)
+                          for l in range(model.cfg.num_layers)], model=model)
+
+
+@pytest.fixture
+def tl_tokens(tl_model):
+    seq = tl_model.cfg.block_size if hasattr(tl_model.cfg, "block_size") else 8
+    return torch.randint(0, tl_model.cfg.d_vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("activation,k", [("relu", None), ("topk", 6), ("jumprelu", None)])
+def test_replacement_with_error_terms_is_the_model_bit_for_bit(tl_model, tl_tokens, activation, k):
+    model, tokens = tl_model, tl_tokens
+    tcs = random_set(model, activation, k)
+    with torch.no_grad():
+        base, base_cache = model.run_with_cache(tokens)
+        logits, cache = model.run_with_cache_with_saes(tokens, saes=tcs, use_error_term=True)
+    assert torch.equal(logits, base)
+    for key, value in base_cache.cache_dict.items():
+        assert torch.equal(cache.cache_dict[key], value), key
+    for tc in tcs:
+        x, y = base_cache[tc.input_hook], base_cache[tc.output_hook]
+        acts = tc.encode(x)
+        out = tc.output_hook
+        assert torch.equal(cache[f"{out}.hook_sae_input"], x)
+        assert torch.equal(cache[f"{out}.hook_sae_acts_post"], acts)
+        assert torch.equal(cache[f"{out}.hook_sae_recons"], tc(x))
+        assert torch.equal(cache[f"{out}.hook_sae_error"], y - tc(x))
+        assert bool((acts > 0).any()) and bool((acts == 0).any())
+    assert model.acts_to_saes == {}  # the context removed them
+
+
+def test_replacement_without_error_terms_is_the_transcoders_forward(tl_model, tl_tokens):
+    """Each MLP output replaced by tc(its MLP input), against plain hooks written here; an edit of the
+    MLP input by a hook reaches the transcoder."""
+    model, tokens = tl_model, tl_tokens
+    tcs = random_set(model)
+    shift = lambda x, hook: x + 0.25  # noqa: E731
+    seen = {}
+
+    def keep(x, hook):
+        seen[hook.name] = x
+
+    def replace(layer):
+        return lambda y, hook: tcs[layer](seen[tcs[layer].input_hook]).to(y.dtype)
+
+    with torch.no_grad():
+        spliced = model.run_with_hooks_with_saes(tokens, saes=tcs, use_error_term=False,
+                                                 fwd_hooks=[(tcs[0].input_hook, shift)])
+        expected = model.run_with_hooks(tokens, fwd_hooks=[(tcs[0].input_hook, shift)] + [
+            hook for tc in tcs for hook in ((tc.input_hook, keep), (tc.output_hook, replace(tc.layer)))])
+    assert torch.equal(spliced, expected)
+    assert not torch.equal(spliced, model(tokens))
+
+
+def test_replacement_gradients_run_through_the_transcoders_only(tl_model, tl_tokens):
+    """With error terms the MLPs are constants: no gradient reaches their weights; the features get
+    (d metric / d mlp_output) W_dec.T."""
+    model, tokens = tl_model, tl_tokens
+    tcs = random_set(model)
+    grads = {}
+
+    def keep(grad, hook):
+        grads[hook.name] = grad
+
+    with model.saes(saes=tcs, use_error_term=True):
+        for tc in tcs:
+            model.add_hook(f"{tc.output_hook}.hook_sae_acts_post", keep, dir="bwd")
+            model.add_hook(f"{tc.output_hook}.hook_sae_output", keep, dir="bwd")
+        model(tokens)[:, -1, 3].sum().backward()
+        model.reset_hooks()
+    up = model.layers[0].mlp.up_proj.weight.grad
+    assert up is None or not up.any()
+    assert model.layers[0].self_attn.parameters().__next__().grad.abs().sum() > 0  # what feeds the transcoders
+    for tc in tcs:
+        name = tc.output_hook
+        torch.testing.assert_close(grads[f"{name}.hook_sae_acts_post"],
+                                   grads[f"{name}.hook_sae_output"] @ tc.W_dec.detach().T, rtol=1e-5, atol=1e-6)
+    model.zero_grad()
+
+
+def test_replacement_reset_restores_the_model(tl_model, tl_tokens):
+    model, tokens = tl_model, tl_tokens
+    before, printed = model(tokens), repr(model)
+    model.add_sae(random_set(model), use_error_term=False)
+    assert sorted(model.acts_to_saes) == [f"layers.{l}.mlp.mlp_output" for l in range(model.cfg.num_layers)]
+    assert not torch.equal(model(tokens), before)
+    model.reset_saes()
+    assert torch.equal(model(tokens), before) and repr(model) == printed
+    assert all(not p.readers for p in model.standard_hook_dict.values() if hasattr(p, "readers"))
+
+
+def test_bad_transcoder_splices_are_clear_errors(tl_model, tl_tokens):
+    model = tl_model
+    d = model.cfg.hidden_size
+    with pytest.raises(ValueError, match=rf"width {d + 1} cannot read 'layers\.0\.mlp_input'"):
+        model.add_sae(Transcoder(d + 1, 8, d, layer=0))
+    with pytest.raises(ValueError, match=rf"width {d + 2} cannot read 'layers\.0\.mlp\.mlp_output'"):
+        model.add_sae(Transcoder(d, 8, d + 2, layer=0))
+    with pytest.raises(ValueError, match="spliced on the value it writes, not on 'layers.0.mlp_input'"):
+        model.add_sae(Transcoder(d, 8, layer=0), "layers.0.mlp_input")
+    assert model.acts_to_saes == {}
