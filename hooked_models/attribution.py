@@ -71,6 +71,7 @@ class AttributionGraph:
     str_tokens: list[str] = field(default_factory=list)
     model_name: str = ""
     transcoder_names: list[str] = field(default_factory=list)
+    logit_str_tokens: list[str] = field(default_factory=list)
     head_loadings: Float[Tensor, "node node layer head"] | None = None
     attention_skips: Float[Tensor, "node node layer"] | None = None
     node_mask: Tensor | None = None
@@ -243,7 +244,7 @@ class AttributionGraph:
             layer = str(self.n_layers + 1)
             node.update(node_id=f"{layer}_{token}_{pos}", feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
                         jsNodeId=f"L_{token}-{pos}", token_prob=prob, is_target_logit=k == 0,
-                        clerp=f'Output "{token}" (p={prob:.3f})')
+                        clerp=f'Output "{self._logit_text(k)}" (p={prob:.3f})')
         return node
 
     def _state(self) -> dict:
@@ -253,7 +254,7 @@ class AttributionGraph:
                  "logit_probabilities": self.logit_probabilities.tolist(),
                  "adjacency_matrix": self.adjacency_matrix.tolist(), "n_layers": self.n_layers,
                  "prompt": self.prompt, "str_tokens": list(self.str_tokens), "model_name": self.model_name,
-                 "transcoder_names": list(self.transcoder_names)}
+                 "transcoder_names": list(self.transcoder_names), "logit_str_tokens": list(self.logit_str_tokens)}
         for name in ("head_loadings", "attention_skips"):
             value = getattr(self, name)
             state[name] = None if value is None else {"shape": list(value.shape), "values": value.flatten().tolist()}
@@ -280,7 +281,7 @@ class AttributionGraph:
             extra[name] = None if value is None else torch.tensor(value["values"], dtype=torch.float32).reshape(value["shape"])
         return cls(**tensors, adjacency_matrix=adjacency, n_layers=state["n_layers"], prompt=state["prompt"],
                    str_tokens=state["str_tokens"], model_name=state["model_name"],
-                   transcoder_names=state["transcoder_names"], **extra)
+                   transcoder_names=state["transcoder_names"], logit_str_tokens=state["logit_str_tokens"], **extra)
 
     def plot(self, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None,
              node_threshold: float = 0.8, edge_threshold: float = 0.98):
@@ -292,7 +293,7 @@ class AttributionGraph:
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
         kept = pruned.node_mask.nonzero().flatten().tolist()
         if ax is None:
-            fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * self.n_pos + 2), 1.3 * (self.n_layers + 2) + 1))
+            fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * self.n_pos + 1.5), 0.9 * (self.n_layers + 2) + 1.5))
         else:
             fig = ax.figure
         # Nodes sharing a (row, position) cell are spread across it.
@@ -316,8 +317,9 @@ class AttributionGraph:
             points = [xy[i] for i in kept if pruned.node_kind(i) == kind]
             if points:
                 ax.scatter(*zip(*points), s=60, color=colour, edgecolor="black", zorder=2, label=kind)
-        for i in kept:
-            if pruned.node_kind(i) in ("feature", "logit"):
+        crowded = {i for members in cells.values() if len(members) > 4 for i in members}
+        for i in kept:  # feature indices where they fit, and the logits' tokens
+            if pruned.node_kind(i) == "logit" or (pruned.node_kind(i) == "feature" and i not in crowded):
                 label = (str(int(self.active_features[i, 2])) if pruned.node_kind(i) == "feature"
                          else self._logit_label(i - self.logit_start))
                 ax.annotate(label, xy[i], textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
@@ -332,8 +334,11 @@ class AttributionGraph:
             fig.savefig(path, dpi=120)
         return fig
 
+    def _logit_text(self, k: int) -> str:
+        return self.logit_str_tokens[k] if self.logit_str_tokens else str(int(self.logit_tokens[k]))
+
     def _logit_label(self, k: int) -> str:
-        return f"{int(self.logit_tokens[k])} ({float(self.logit_probabilities[k]):.2f})"
+        return f"{self._logit_text(k)!r} ({float(self.logit_probabilities[k]):.2f})"
 
     def __str__(self) -> str:
         pruned = "" if self.node_mask is None else f", pruned to {int(self.node_mask.sum())} nodes"
@@ -674,15 +679,16 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
             skips[r, :len(keep_columns)] = skip[keep_columns]
     bar.close()
     try:
-        str_tokens = model.to_str_tokens(tokens[0])
+        str_tokens, logit_str_tokens = model.to_str_tokens(tokens[0]), model.to_str_tokens(logit_tokens)
     except ValueError:  # no tokenizer: the ids stand for themselves
-        str_tokens = [str(t) for t in tokens[0].tolist()]
+        str_tokens, logit_str_tokens = [str(t) for t in tokens[0].tolist()], []
     return AttributionGraph(
         tokens=tokens[0].cpu(), active_features=state.active[selected].cpu(),
         activation_values=state.activations[selected].detach().cpu(), logit_tokens=logit_tokens.cpu(),
         logit_probabilities=logit_probs.cpu(), adjacency_matrix=adjacency.detach().cpu(), n_layers=n_layers,
         prompt=prompt if isinstance(prompt, str) else "", str_tokens=str_tokens,
         model_name=str(getattr(model.cfg, "model_name", "")), transcoder_names=_transcoder_names(transcoders),
+        logit_str_tokens=logit_str_tokens,
         head_loadings=None if loadings is None else loadings.detach().cpu(),
         attention_skips=None if skips is None else skips.detach().cpu())
 
