@@ -34,7 +34,6 @@ let through); for each L, the heads' parts plus the skip are the edge.
 """
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +42,8 @@ from pathlib import Path
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+
+from hooked_models.transcoders import CrossLayerTranscoder
 
 # The feature_type strings circuit-tracer's viewer knows (frontend/graph_models.py).
 FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
@@ -391,11 +392,15 @@ class _Gates:
     gate: Tensor | None = None
 
 
+def _frozen(name: str) -> bool:
+    """The values frozen at the prompt's: every norm's scale and every attention pattern."""
+    return name.endswith(".norm_scale") or name.endswith(".attention_probabilities")
+
+
 def _freezing_hooks() -> list:
     """Every norm scale and attention pattern frozen at its value: returned detached, which the
     components honour (the forward keeps its bits, the gradient treats them as constants)."""
-    frozen = lambda name: name.endswith(".norm_scale") or name.endswith(".attention_probabilities")  # noqa: E731
-    return [(frozen, lambda t, hook: t.detach())]
+    return [(_frozen, lambda t, hook: t.detach())]
 
 
 def _transcoder_names(transcoders) -> list[str]:
@@ -405,7 +410,7 @@ def _transcoder_names(transcoders) -> list[str]:
 def _written_layers(transcoders, layer: int) -> range:
     """The layers whose MLP output layer `layer`'s features write: itself, or (a cross-layer
     transcoder, whose `decoder(source, target)` takes any later target) it and every later one."""
-    if type(transcoders).__name__ == "CrossLayerTranscoder":
+    if isinstance(transcoders, CrossLayerTranscoder):
         return range(layer, transcoders.n_layers)
     return range(layer, layer + 1)
 
@@ -536,7 +541,7 @@ class _Target:
 
 def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_heads: int):
     """(rows [target source], loadings [target source layer head] or None, skips [target source layer])."""
-    prompt, tcs = replica.prompt, replica.prompt.transcoders
+    tcs = replica.prompt.transcoders
     batch, seq = replica.logits.shape[:2]
     grad_inputs, grad_logits = {}, None
     for b, target in enumerate(targets):
@@ -757,10 +762,9 @@ def feature_intervention(model, prompt, transcoders, interventions: Sequence[tup
         by_layer.setdefault(layer, []).append((pos, feature, value))
     hooks = []
     if freeze_attention:
-        names = lambda name: name.endswith(".norm_scale") or name.endswith(".attention_probabilities")  # noqa: E731
         with torch.no_grad():
-            _, frozen = model.run_with_cache(tokens, names_filter=names)
-        hooks.append((names, lambda t, hook: frozen[hook.name].to(t.dtype)))
+            _, frozen = model.run_with_cache(tokens, names_filter=_frozen)
+        hooks.append((_frozen, lambda t, hook: frozen[hook.name].to(t.dtype)))
     live: dict[int, Tensor] = {}
     acts: list[Tensor] = [None] * n_layers
 
