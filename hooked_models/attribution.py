@@ -517,7 +517,7 @@ class _Replica:
         g_embedding, g_out = grads[0].to(dtype), [g.to(dtype) for g in grads[1:]]
         embeddings = (g_embedding * prompt.embedding).sum(-1)
         errors = torch.einsum("lbsd,lsd->bls", torch.stack(g_out), prompt.errors).flatten(1)
-        features = torch.zeros(g_embedding.shape[0], prompt.active.shape[0], dtype=dtype)
+        features = torch.zeros(g_embedding.shape[0], prompt.active.shape[0], dtype=dtype, device=g_embedding.device)
         for layer in range(tcs.n_layers):
             rows = (prompt.active[:, 0] == layer).nonzero().flatten()
             if not rows.numel():
@@ -543,26 +543,27 @@ def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_
     """(rows [target source], loadings [target source layer head] or None, skips [target source layer])."""
     tcs = replica.prompt.transcoders
     batch, seq = replica.logits.shape[:2]
+    device = replica.logits.device
     grad_inputs, grad_logits = {}, None
     for b, target in enumerate(targets):
         if target.layer is None:
             if grad_logits is None:
-                grad_logits = torch.zeros(replica.logits.shape, dtype=target.direction.dtype)
-            grad_logits[b, target.pos] = target.direction
+                grad_logits = torch.zeros(replica.logits.shape, dtype=target.direction.dtype, device=device)
+            grad_logits[b, target.pos] = target.direction.to(device)
         else:
             if target.layer not in grad_inputs:
-                grad_inputs[target.layer] = torch.zeros(batch, seq, tcs.d_in, dtype=target.direction.dtype)
-            grad_inputs[target.layer][b, target.pos] = target.direction
+                grad_inputs[target.layer] = torch.zeros(batch, seq, tcs.d_in, dtype=target.direction.dtype, device=device)
+            grad_inputs[target.layer][b, target.pos] = target.direction.to(device)
     n = len(targets)
     rows = replica.columns(grad_inputs, grad_logits)[:n]
     if not head_loadings:
         return rows, None, None
-    loadings = torch.zeros(n, rows.shape[1], tcs.n_layers, n_heads, dtype=rows.dtype)
-    skips = torch.zeros(n, rows.shape[1], tcs.n_layers, dtype=rows.dtype)
+    loadings = torch.zeros(n, rows.shape[1], tcs.n_layers, n_heads, dtype=rows.dtype, device=device)
+    skips = torch.zeros(n, rows.shape[1], tcs.n_layers, dtype=rows.dtype, device=device)
     for layer, holder in replica.gates.items():
         try:
             for head in range(n_heads + 1):  # head n_heads: none let through, the part that skips the layer
-                holder.gate = torch.zeros(n_heads, 1)
+                holder.gate = torch.zeros(n_heads, 1, device=device)
                 if head < n_heads:
                     holder.gate[head] = 1
                 part = replica.columns(grad_inputs, grad_logits)[:n]
@@ -633,8 +634,7 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
 
     replica = _Replica(state, batch_size, head_loadings)
     n_heads = model.cfg.n_heads
-    logits = state.logits[0, -1]
-    vocab = logits.shape[-1]
+    vocab = state.logits.shape[-1]
 
     def logit_target(token: int) -> _Target:
         direction = -torch.full((vocab,), 1.0 / vocab, dtype=dtype)  # the logit minus the mean logit
@@ -654,7 +654,9 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
             targets = [logit_target(int(k[1])) if k[0] == "logit" else feature_target(k[1]) for k in chunk]
             rows, loads, skips = _rows(replica, targets, head_loadings, n_heads)
             for j, key in enumerate(chunk):
-                computed[key] = (rows[j], None if loads is None else loads[j], None if skips is None else skips[j])
+                # Kept on the CPU: the graph is assembled there.
+                computed[key] = (rows[j].cpu(), None if loads is None else loads[j].cpu(),
+                                 None if skips is None else skips[j].cpu())
             bar.update(len(chunk))
 
     logit_keys = [("logit", int(t)) for t in logit_tokens]
