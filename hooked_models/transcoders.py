@@ -32,6 +32,7 @@ SAELens (6.x) has transcoder classes but trains none, so the trainer is this sma
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,9 @@ FEATURE_INPUT_HOOK = "mlp_input"
 FEATURE_OUTPUT_HOOK = "mlp.mlp_output"
 # JumpReLU's straight-through kernel width (SAELens's default bandwidth).
 JUMPRELU_BANDWIDTH = 0.001
+# SAELens's transcoder classes by (activation, skip connection); it has no TopK transcoder.
+SAE_LENS_CLASSES = {("relu", False): "Transcoder", ("relu", True): "SkipTranscoder",
+                    ("jumprelu", False): "JumpReLUTranscoder", ("jumprelu", True): "JumpReLUSkipTranscoder"}
 
 
 def input_hook_name(layer: int) -> str:
@@ -256,6 +260,47 @@ class Transcoder(nn.Module):
         act = f"topk(k={self.k})" if self.activation == "topk" else self.activation
         return (f"layer={self.layer}, {self.d_in} -> {self.d_transcoder} -> {self.d_out}, {act}"
                 f"{', skip' if self.has_skip else ''}")
+
+    # ------------------------------------------------------------------------------- SAELens
+    def to_sae_lens(self):
+        """This transcoder as SAELens's `Transcoder`, `SkipTranscoder`, `JumpReLUTranscoder` or
+        `JumpReLUSkipTranscoder` (SAELens must be installed), its metadata naming the hooks; the same
+        function (SAELens's JumpReLU is relu(pre)·[pre > θ], ours with θ >= 0, which training keeps)."""
+        import sae_lens.saes.transcoder as sae_lens_transcoders
+        from sae_lens.saes.sae import SAEMetadata
+
+        name = SAE_LENS_CLASSES.get((self.activation, self.has_skip))
+        if name is None:
+            raise ValueError(f"SAELens has no {self.activation} transcoder (it has relu and jumprelu ones, with "
+                             "or without a skip connection): this one cannot be exported")
+        if self.threshold is not None and bool((self.threshold < 0).any()):
+            raise ValueError("a negative JumpReLU threshold has no SAELens equivalent (it applies ReLU first)")
+        config = getattr(sae_lens_transcoders, name + "Config")(
+            d_in=self.d_in, d_sae=self.d_transcoder, d_out=self.d_out, apply_b_dec_to_input=False,
+            dtype=str(self.W_enc.dtype).removeprefix("torch."), device=str(self.W_enc.device),
+            metadata=SAEMetadata(hook_name=self.input_hook, hook_name_out=self.output_hook))
+        sae = getattr(sae_lens_transcoders, name)(config)
+        sae.load_state_dict({n: p.detach().clone() for n, p in self.named_parameters()}, strict=True)
+        return sae.eval()
+
+    @classmethod
+    def from_sae_lens(cls, sae, layer: int | None = None) -> "Transcoder":
+        """A SAELens transcoder as this class; `layer` defaults to the one its hook name says."""
+        kinds = {name: key for key, name in SAE_LENS_CLASSES.items()}
+        if type(sae).__name__ not in kinds:
+            raise ValueError(f"{type(sae).__name__} is not one of SAELens's transcoders ({', '.join(kinds)})")
+        if getattr(sae.cfg, "normalize_activations", "none") != "none":
+            raise ValueError(f"normalize_activations={sae.cfg.normalize_activations!r}: fold it into the weights first")
+        if layer is None:
+            hook = str(getattr(sae.cfg.metadata, "hook_name", ""))
+            match = re.match(r"(?:layers|blocks)\.(\d+)\.", hook)
+            if match is None:
+                raise ValueError(f"no layer in the hook name {hook!r}: pass layer=")
+            layer = int(match.group(1))
+        activation, skip = kinds[type(sae).__name__]
+        tc = cls(sae.cfg.d_in, sae.cfg.d_sae, sae.cfg.d_out, layer, activation, skip=skip, dtype=sae.W_enc.dtype)
+        tc.load_state_dict({n: p.detach().cpu() for n, p in sae.named_parameters()}, strict=True)
+        return tc
 
     # ------------------------------------------------------------- circuit-tracer's file layout
     def state_for_file(self) -> dict[str, Tensor]:
@@ -474,12 +519,32 @@ class TranscoderSet(_Set):
         (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
+    def save_sae_lens(self, path: str | os.PathLike) -> Path:
+        """Each layer's transcoder as SAELens saves one (`save_model`): `path/layer_{l}/` with cfg.json and
+        sae_weights.safetensors, which `sae_lens.SAE.load_from_disk` loads."""
+        path = Path(path)
+        for tc in self.transcoders:
+            tc.to_sae_lens().save_model(str(path / f"layer_{tc.layer}"))
+        return path
+
+    @classmethod
+    def load_sae_lens(cls, path: str | os.PathLike, model=None) -> "TranscoderSet":
+        """A set written by `save_sae_lens` (SAELens must be installed); `model` records and checks identity."""
+        from sae_lens import SAE
+
+        path = Path(path)
+        layers = sorted((p for p in path.glob("layer_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+        if not layers:
+            raise FileNotFoundError(f"no layer_*/ directories in {path}")
+        return cls([Transcoder.from_sae_lens(SAE.load_from_disk(str(p)), int(p.name.split("_")[1])) for p in layers],
+                   model=model)
+
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, dtype: torch.dtype | None = None,
              device=None) -> "TranscoderSet":
-        """A set saved by `save` (or by circuit-tracer, local files); refused for a `model` it was not
-        trained for."""
-        path = Path(path)
+        """A set saved by `save` (or by circuit-tracer, local files), or "embedded": the ones shipped for
+        the embedded `model`; refused for a `model` it was not trained for."""
+        path = _resolve_path(path, model)
         config = cls._read_config(path, cls.model_kind)
         activation = config.get("activation") or None
         transcoders = []
@@ -634,7 +699,7 @@ class CrossLayerTranscoder(_Set):
     def load(cls, path: str | os.PathLike, model=None, dtype: torch.dtype | None = None,
              device=None) -> "CrossLayerTranscoder":
         """A cross-layer transcoder saved by `save`; refused for a `model` it was not trained for."""
-        path = Path(path)
+        path = _resolve_path(path, model)
         config = cls._read_config(path, cls.model_kind)
         n_layers = sum(1 for _ in path.glob("W_enc_*.safetensors"))
         if n_layers == 0:
@@ -673,8 +738,9 @@ class CrossLayerTranscoder(_Set):
 def load_transcoders(path: str | os.PathLike, model=None, dtype: torch.dtype | None = None,
                      device=None) -> TranscoderSet | CrossLayerTranscoder:
     """A TranscoderSet or CrossLayerTranscoder from a directory in circuit-tracer's layout, by the
-    `model_kind` its config.yaml names."""
-    config_file = Path(path) / "config.yaml"
+    `model_kind` its config.yaml names; "embedded": the ones shipped for the embedded `model`."""
+    path = _resolve_path(path, model)
+    config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.yaml in {path}: not a saved transcoder set")
     kind = (yaml.safe_load(config_file.read_text()) or {}).get("model_kind")
@@ -682,6 +748,17 @@ def load_transcoders(path: str | os.PathLike, model=None, dtype: torch.dtype | N
     if kind not in classes:
         raise ValueError(f"{config_file} has model_kind={kind!r}; expected one of {sorted(classes)}")
     return classes[kind].load(path, model, dtype, device)
+
+
+def _resolve_path(path: str | os.PathLike, model) -> Path:
+    """A directory; "embedded" is the package's transcoders of `model`'s family."""
+    if str(path) != "embedded":
+        return Path(path)
+    if model is None:
+        raise ValueError('"embedded" transcoders are those of the embedded model: pass model=')
+    from hooked_models.embedded import EMBEDDED_DIR
+
+    return EMBEDDED_DIR / ModelIdentity.of(model).family / "transcoders"
 
 
 def init_transcoder_(tc: Transcoder | CrossLayerTranscoder, seed: int = 0, threshold: float = 0.0) -> None:
