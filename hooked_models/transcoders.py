@@ -177,7 +177,7 @@ class ModelIdentity:
         for field, mine in asdict(self).items():
             theirs = getattr(other, field)
             if mine != theirs:
-                raise ValueError(f"{what} were trained for a {self.family} model with hidden_size="
+                raise ValueError(f"{what} were trained for the {self.family} model with hidden_size="
                                  f"{self.hidden_size}, num_layers={self.num_layers}; this model has "
                                  f"{field}={theirs!r} (expected {mine!r})")
 

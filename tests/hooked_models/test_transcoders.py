@@ -162,7 +162,7 @@ def test_cross_layer_transcoder_round_trips(tmp_path, alpha_er):
 
 def test_transcoders_for_another_model_are_refused(tmp_path, arcee, alpha_er):
     TranscoderSet([Transcoder(64, 16, layer=l) for l in range(2)], model=arcee).save(tmp_path)
-    with pytest.raises(ValueError, match="trained for a arcee model .* this model has family='alpha_er'"):
+    with pytest.raises(ValueError, match="trained for the arcee model .* this model has family='alpha_er'"):
         TranscoderSet.load(tmp_path, model=alpha_er)
     with pytest.raises(ValueError, match="3 transcoders for a model of 2 layers"):
         TranscoderSet([Transcoder(64, 16, layer=l) for l in range(3)], model=arcee)
