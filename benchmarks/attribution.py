@@ -15,6 +15,7 @@ Results go to benchmarks/attribution.json (--out), which the README's figures co
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import shutil
@@ -34,12 +35,14 @@ from hooked_models.transcoders import Transcoder, TranscoderSet, init_transcoder
 
 
 def reset_peak() -> None:
-    """Reset this process's VmHWM to its current RSS (Linux: clear_refs 5)."""
+    """Return freed memory to the system (glibc's malloc_trim), then reset this process's VmHWM to its
+    current RSS (Linux: clear_refs 5), so the peak is this call's and not a reuse of an earlier one's."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
 
 
 def measure(model, tokens, transcoders, **kwargs) -> dict:
-    gc.collect()
     reset_peak()
     before = memory("VmRSS")
     cpu, wall = time.process_time(), time.perf_counter()
@@ -67,33 +70,30 @@ def random_tokens(model, seq: int, seed: int = 0) -> torch.Tensor:
     return tokens
 
 
-def embedded_runs(seqs: dict[str, list[int]]) -> list[dict]:
-    results = []
+def embedded_runs(seqs: dict[str, list[int]], record) -> None:
     for family, lengths in seqs.items():
         model = load_model("embedded", family)
         transcoders = load_transcoders("embedded", model=model)
         for seq in lengths:
             result = measure(model, random_tokens(model, seq), transcoders, head_loadings=True)
-            results.append({"model": f"embedded {family}", "d_transcoder": transcoders.d_transcoder, **result})
-            print(results[-1], flush=True)
-    return results
+            record("embedded", {"model": f"embedded {family}", "d_transcoder": transcoders.d_transcoder, **result})
 
 
-def random_arcee_runs(seqs: list[int], budgets: list[int | None], d_transcoder: int, k: int) -> list[dict]:
+def random_arcee_runs(seqs: list[int], budgets: list[int | None], all_up_to: int, d_transcoder: int, k: int,
+                      record) -> None:
     from transformers import ArceeForCausalLM
 
     shape = argparse.Namespace(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2, head_dim=128)
     torch.manual_seed(0)
     model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
     transcoders = random_transcoders(model, d_transcoder, k)
-    results = []
     for seq in seqs:
         for budget in budgets:
+            if budget is None and seq > all_up_to:
+                continue  # every feature of a long prompt: more memory than a shared machine spares
             result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=budget,
                              head_loadings=False)
-            results.append({"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result})
-            print(results[-1], flush=True)
-    return results
+            record("random_arcee", {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result})
 
 
 def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int) -> dict:
@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[8, 16, 32], help="random Arcee prompt lengths")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 0],
                         help="random Arcee max_feature_nodes (0: all)")
+    parser.add_argument("--all-up-to", type=int, default=16,
+                        help="the all-features run only for prompts up to this long (its memory grows with them)")
     parser.add_argument("--d-transcoder", type=int, default=4096)
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()
@@ -143,14 +145,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["machine"] = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    def record(group: str, result: dict) -> None:
+        """Each result written as it comes, so an interrupted sweep keeps what it measured."""
+        results.setdefault(group, []).append(result)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(result, flush=True)
+
     if args.afm:
         results["afm_4_5b"] = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(results["afm_4_5b"], flush=True)
     else:
-        results["embedded"] = embedded_runs({"arcee": [8, 16, 32], "alpha_er": [4, 8, 16]})
-        results["random_arcee"] = random_arcee_runs(args.seqs, [b or None for b in args.budgets],
-                                                    args.d_transcoder, args.k)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+        results["embedded"], results["random_arcee"] = [], []
+        embedded_runs({"arcee": [8, 16, 32], "alpha_er": [4, 8, 16]}, record)
+        random_arcee_runs(args.seqs, [b or None for b in args.budgets], args.all_up_to, args.d_transcoder, args.k,
+                          record)
     print(f"wrote {args.out}")
 
 
