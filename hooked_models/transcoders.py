@@ -21,11 +21,20 @@ circuit-tracer's TopK keeps negative ones, which differs only where fewer than k
 "jumprelu" (pre · [pre > threshold], Rajamanoharan et al. 2024, with its straight-through threshold
 gradient: SAELens's and circuit-tracer's `JumpReLU`).
 
-Training (`train_transcoders`) is in hooked_models/transcoder_training.py.
+Training: `train_transcoders(harvest_dir)` from a `corpus.harvest` of every layer's `mlp_input` and
+`mlp.mlp_output` on disk (batches of rows drawn from the memory-mapped dataset, so memory does not
+grow with the corpus), or `train_transcoders(model, dataset=...)`, which harvests first. A progress
+bar; a checkpoint file that a rerun resumes from (the result is the uninterrupted run's, bit for bit).
+SAELens (6.x) has transcoder classes but trains none, so the trainer is this small one.
+`transcoder_fidelity(model, transcoders, tokens)` measures what they explain.
 """
 
+import json
 import math
 import os
+import re
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +45,7 @@ import yaml
 from jaxtyping import Float
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from tqdm import tqdm
 
 ACTIVATIONS = ("relu", "topk", "jumprelu")
 # The hooks a transcoder of layer l reads and writes, relative to `layers.{l}` (circuit-tracer's config
@@ -44,6 +54,9 @@ FEATURE_INPUT_HOOK = "mlp_input"
 FEATURE_OUTPUT_HOOK = "mlp.mlp_output"
 # JumpReLU's straight-through kernel width (SAELens's default bandwidth).
 JUMPRELU_BANDWIDTH = 0.001
+# SAELens's transcoder classes by (activation, skip connection); it has no TopK transcoder.
+SAE_LENS_CLASSES = {("relu", False): "Transcoder", ("relu", True): "SkipTranscoder",
+                    ("jumprelu", False): "JumpReLUTranscoder", ("jumprelu", True): "JumpReLUSkipTranscoder"}
 
 
 def input_hook_name(layer: int) -> str:
@@ -164,7 +177,7 @@ class ModelIdentity:
         for field, mine in asdict(self).items():
             theirs = getattr(other, field)
             if mine != theirs:
-                raise ValueError(f"{what} were trained for a {self.family} model with hidden_size="
+                raise ValueError(f"{what} were trained for the {self.family} model with hidden_size="
                                  f"{self.hidden_size}, num_layers={self.num_layers}; this model has "
                                  f"{field}={theirs!r} (expected {mine!r})")
 
@@ -199,6 +212,7 @@ class Transcoder(nn.Module):
         self.b_dec = nn.Parameter(torch.zeros(d_out, **kw))
         self.W_skip = nn.Parameter(torch.zeros(d_out, d_in, **kw)) if skip else None
         self.threshold = nn.Parameter(torch.zeros(d_transcoder, **kw)) if activation == "jumprelu" else None
+        self.bandwidth = JUMPRELU_BANDWIDTH  # the straight-through kernel's width: training only
 
     @property
     def input_hook(self) -> str:
@@ -221,7 +235,7 @@ class Transcoder(nn.Module):
             return torch.relu(pre)
         if self.activation == "topk":
             return topk_relu(pre, self.k)
-        return jumprelu(pre, self.threshold)
+        return jumprelu(pre, self.threshold, self.bandwidth)
 
     def encode(self, x: Float[Tensor, "... d_in"], apply_activation: bool = True) -> Float[Tensor, "... d_transcoder"]:
         """The features of `x` (their pre-activations with apply_activation=False)."""
@@ -246,6 +260,47 @@ class Transcoder(nn.Module):
         act = f"topk(k={self.k})" if self.activation == "topk" else self.activation
         return (f"layer={self.layer}, {self.d_in} -> {self.d_transcoder} -> {self.d_out}, {act}"
                 f"{', skip' if self.has_skip else ''}")
+
+    # ------------------------------------------------------------------------------- SAELens
+    def to_sae_lens(self):
+        """This transcoder as SAELens's `Transcoder`, `SkipTranscoder`, `JumpReLUTranscoder` or
+        `JumpReLUSkipTranscoder` (SAELens must be installed), its metadata naming the hooks; the same
+        function (SAELens's JumpReLU is relu(pre)·[pre > θ], ours with θ >= 0, which training keeps)."""
+        import sae_lens.saes.transcoder as sae_lens_transcoders
+        from sae_lens.saes.sae import SAEMetadata
+
+        name = SAE_LENS_CLASSES.get((self.activation, self.has_skip))
+        if name is None:
+            raise ValueError(f"SAELens has no {self.activation} transcoder (it has relu and jumprelu ones, with "
+                             "or without a skip connection): this one cannot be exported")
+        if self.threshold is not None and bool((self.threshold < 0).any()):
+            raise ValueError("a negative JumpReLU threshold has no SAELens equivalent (it applies ReLU first)")
+        config = getattr(sae_lens_transcoders, name + "Config")(
+            d_in=self.d_in, d_sae=self.d_transcoder, d_out=self.d_out, apply_b_dec_to_input=False,
+            dtype=str(self.W_enc.dtype).removeprefix("torch."), device=str(self.W_enc.device),
+            metadata=SAEMetadata(hook_name=self.input_hook, hook_name_out=self.output_hook))
+        sae = getattr(sae_lens_transcoders, name)(config)
+        sae.load_state_dict({n: p.detach().clone() for n, p in self.named_parameters()}, strict=True)
+        return sae.eval()
+
+    @classmethod
+    def from_sae_lens(cls, sae, layer: int | None = None) -> "Transcoder":
+        """A SAELens transcoder as this class; `layer` defaults to the one its hook name says."""
+        kinds = {name: key for key, name in SAE_LENS_CLASSES.items()}
+        if type(sae).__name__ not in kinds:
+            raise ValueError(f"{type(sae).__name__} is not one of SAELens's transcoders ({', '.join(kinds)})")
+        if getattr(sae.cfg, "normalize_activations", "none") != "none":
+            raise ValueError(f"normalize_activations={sae.cfg.normalize_activations!r}: fold it into the weights first")
+        if layer is None:
+            hook = str(getattr(sae.cfg.metadata, "hook_name", ""))
+            match = re.match(r"(?:layers|blocks)\.(\d+)\.", hook)
+            if match is None:
+                raise ValueError(f"no layer in the hook name {hook!r}: pass layer=")
+            layer = int(match.group(1))
+        activation, skip = kinds[type(sae).__name__]
+        tc = cls(sae.cfg.d_in, sae.cfg.d_sae, sae.cfg.d_out, layer, activation, skip=skip, dtype=sae.W_enc.dtype)
+        tc.load_state_dict({n: p.detach().cpu() for n, p in sae.named_parameters()}, strict=True)
+        return tc
 
     # ------------------------------------------------------------- circuit-tracer's file layout
     def state_for_file(self) -> dict[str, Tensor]:
@@ -435,6 +490,13 @@ class TranscoderSet(_Set):
     def encoder(self, layer: int) -> Float[Tensor, "d_in d_transcoder"]:
         return self[layer].W_enc
 
+    def threshold_of(self, layer: int) -> Tensor | None:
+        return self[layer].threshold
+
+    def decoder_norms(self, layer: int) -> Float[Tensor, " d_transcoder"]:
+        """Each feature's decoder norm (the L1 penalty's weights)."""
+        return self[layer].W_dec.norm(dim=-1)
+
     def decode_to(self, layer: int, acts_by_source_layer: Mapping[int, Tensor] | Sequence[Tensor],
                   x: Tensor | None = None) -> Float[Tensor, "... d_out"]:
         """Layer `layer`'s MLP output from the features (only layer `layer`'s are read), plus its skip
@@ -457,12 +519,32 @@ class TranscoderSet(_Set):
         (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
+    def save_sae_lens(self, path: str | os.PathLike) -> Path:
+        """Each layer's transcoder as SAELens saves one (`save_model`): `path/layer_{l}/` with cfg.json and
+        sae_weights.safetensors, which `sae_lens.SAE.load_from_disk` loads."""
+        path = Path(path)
+        for tc in self.transcoders:
+            tc.to_sae_lens().save_model(str(path / f"layer_{tc.layer}"))
+        return path
+
+    @classmethod
+    def load_sae_lens(cls, path: str | os.PathLike, model=None) -> "TranscoderSet":
+        """A set written by `save_sae_lens` (SAELens must be installed); `model` records and checks identity."""
+        from sae_lens import SAE
+
+        path = Path(path)
+        layers = sorted((p for p in path.glob("layer_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+        if not layers:
+            raise FileNotFoundError(f"no layer_*/ directories in {path}")
+        return cls([Transcoder.from_sae_lens(SAE.load_from_disk(str(p)), int(p.name.split("_")[1])) for p in layers],
+                   model=model)
+
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, dtype: torch.dtype | None = None,
              device=None) -> "TranscoderSet":
-        """A set saved by `save` (or by circuit-tracer, local files); refused for a `model` it was not
-        trained for."""
-        path = Path(path)
+        """A set saved by `save` (or by circuit-tracer, local files), or "embedded": the ones shipped for
+        the embedded `model`; refused for a `model` it was not trained for."""
+        path = _resolve_path(path, model)
         config = cls._read_config(path, cls.model_kind)
         activation = config.get("activation") or None
         transcoders = []
@@ -520,6 +602,7 @@ class CrossLayerTranscoder(_Set):
         self.W_skip = nn.Parameter(torch.zeros(n_layers, d_out, d_in, **kw)) if skip else None
         self.threshold = (nn.Parameter(torch.zeros(n_layers, d_transcoder, **kw))
                           if activation == "jumprelu" else None)
+        self.bandwidth = JUMPRELU_BANDWIDTH  # the straight-through kernel's width: training only
 
     n_layers = property(lambda self: self._n_layers)
     has_skip = property(lambda self: self.W_skip is not None)
@@ -530,7 +613,7 @@ class CrossLayerTranscoder(_Set):
             return torch.relu(pre)
         if self.activation == "topk":
             return topk_relu(pre, self.k)
-        return jumprelu(pre, self.threshold[self._layer(layer)])
+        return jumprelu(pre, self.threshold[self._layer(layer)], self.bandwidth)
 
     def encode(self, layer: int, x: Float[Tensor, "... d_in"], apply_activation: bool = True
                ) -> Float[Tensor, "... d_transcoder"]:
@@ -540,6 +623,13 @@ class CrossLayerTranscoder(_Set):
 
     def encoder(self, layer: int) -> Float[Tensor, "d_in d_transcoder"]:
         return self.W_enc[self._layer(layer)]
+
+    def threshold_of(self, layer: int) -> Tensor | None:
+        return None if self.threshold is None else self.threshold[self._layer(layer)]
+
+    def decoder_norms(self, layer: int) -> Float[Tensor, " d_transcoder"]:
+        """Each feature's norm over its decoders to every later layer (the L1 penalty's weights)."""
+        return self.W_dec[self._layer(layer)].flatten(1).norm(dim=-1)
 
     def decoder(self, source: int, target: int) -> Float[Tensor, "d_transcoder d_out"]:
         """The decoder from layer `source`'s features to layer `target`'s MLP output (target >= source)."""
@@ -609,7 +699,7 @@ class CrossLayerTranscoder(_Set):
     def load(cls, path: str | os.PathLike, model=None, dtype: torch.dtype | None = None,
              device=None) -> "CrossLayerTranscoder":
         """A cross-layer transcoder saved by `save`; refused for a `model` it was not trained for."""
-        path = Path(path)
+        path = _resolve_path(path, model)
         config = cls._read_config(path, cls.model_kind)
         n_layers = sum(1 for _ in path.glob("W_enc_*.safetensors"))
         if n_layers == 0:
@@ -648,8 +738,9 @@ class CrossLayerTranscoder(_Set):
 def load_transcoders(path: str | os.PathLike, model=None, dtype: torch.dtype | None = None,
                      device=None) -> TranscoderSet | CrossLayerTranscoder:
     """A TranscoderSet or CrossLayerTranscoder from a directory in circuit-tracer's layout, by the
-    `model_kind` its config.yaml names."""
-    config_file = Path(path) / "config.yaml"
+    `model_kind` its config.yaml names; "embedded": the ones shipped for the embedded `model`."""
+    path = _resolve_path(path, model)
+    config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.yaml in {path}: not a saved transcoder set")
     kind = (yaml.safe_load(config_file.read_text()) or {}).get("model_kind")
@@ -657,6 +748,17 @@ def load_transcoders(path: str | os.PathLike, model=None, dtype: torch.dtype | N
     if kind not in classes:
         raise ValueError(f"{config_file} has model_kind={kind!r}; expected one of {sorted(classes)}")
     return classes[kind].load(path, model, dtype, device)
+
+
+def _resolve_path(path: str | os.PathLike, model) -> Path:
+    """A directory; "embedded" is the package's transcoders of `model`'s family."""
+    if str(path) != "embedded":
+        return Path(path)
+    if model is None:
+        raise ValueError('"embedded" transcoders are those of the embedded model: pass model=')
+    from hooked_models.embedded import EMBEDDED_DIR
+
+    return EMBEDDED_DIR / ModelIdentity.of(model).family / "transcoders"
 
 
 def init_transcoder_(tc: Transcoder | CrossLayerTranscoder, seed: int = 0, threshold: float = 0.0) -> None:
@@ -683,3 +785,248 @@ def init_transcoder_(tc: Transcoder | CrossLayerTranscoder, seed: int = 0, thres
                 getattr(tc, name).zero_()
         if tc.threshold is not None:
             tc.threshold.fill_(threshold)
+
+
+# -------------------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What `train_transcoders` trains, and how. The loss per token is, summed over layers, the squared
+    error of the MLP output divided by its mean squared norm, plus `sparsity` times the features' L1
+    weighted by their decoder norms (ReLU; Anthropic's and SAELens's penalty) or their L0 through the
+    straight-through step (JumpReLU; Rajamanoharan et al. 2024); TopK needs none. Adam at `lr`, the
+    last fifth of the steps decayed linearly to zero."""
+
+    d_transcoder: int = 256
+    activation: str = "relu"
+    k: int | None = None
+    skip: bool = False
+    cross_layer: bool = False
+    steps: int = 2000
+    batch_tokens: int = 1024
+    lr: float = 2e-3
+    sparsity: float = 1e-3
+    threshold: float = 0.01  # JumpReLU's initial threshold
+    bandwidth: float = 0.05  # JumpReLU's straight-through kernel width
+    seed: int = 0
+    checkpoint_every: int = 250
+
+    def __post_init__(self):
+        for name in ("d_transcoder", "steps", "batch_tokens", "checkpoint_every"):
+            _check_size(name, getattr(self, name))
+        _check_activation(self.activation, self.k, self.d_transcoder)
+        for name in ("lr", "sparsity", "threshold", "bandwidth"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0 or (name in ("lr", "bandwidth") and value == 0):
+                raise ValueError(f"{name}={value!r} must be a {'positive' if name in ('lr', 'bandwidth') else 'non-negative'} number")
+
+
+_FAMILIES_BY_CLASS = {"HookedArcee": "arcee", "HookedAlphaEr": "alpha_er"}
+
+
+class HarvestReader:
+    """Batches of (MLP inputs, MLP outputs) of every layer from a `corpus.harvest` on disk, drawn at
+    random rows of the memory-mapped dataset: one batch in memory, whatever the corpus's size."""
+
+    def __init__(self, path: str | os.PathLike):
+        import datasets
+
+        self.path = Path(path)
+        manifest_file = self.path / "manifest.json"
+        if not manifest_file.is_file():
+            raise FileNotFoundError(f"no manifest.json in {self.path}: not a corpus.harvest output")
+        manifest = json.loads(manifest_file.read_text())
+        if not manifest.get("complete"):
+            raise ValueError(f"the harvest in {self.path} is not complete: rerun corpus.harvest to finish it")
+        model, config = manifest["model"], manifest["model"]["config"]
+        family = _FAMILIES_BY_CLASS.get(model["family"])
+        if family is None:
+            raise ValueError(f"{self.path} is a harvest of a {model['family']}, not a hooked model family")
+        self.identity = ModelIdentity(family, int(config.get("hidden_size", config.get("n_embd"))),
+                                      int(config.get("num_layers", config.get("n_layer"))))
+        names = [name for l in range(self.identity.num_layers) for name in (input_hook_name(l), output_hook_name(l))]
+        missing = [name for name in names if name not in manifest["names"]]
+        if missing:
+            raise ValueError(f"the harvest in {self.path} lacks {', '.join(missing)}: transcoders of every layer "
+                             f"train on {', '.join(names)}")
+        self.names, self.context_size = names, int(manifest["context_size"])
+        self.dataset = datasets.load_from_disk(str(self.path)).with_format("numpy", columns=names)
+        self.rows = len(self.dataset)
+
+    def batch(self, step: int, tokens: int, seed: int) -> tuple[Tensor, Tensor]:
+        """Step `step`'s batch, the same on every run: inputs and outputs [layer tokens hidden_size]."""
+        rows = max(1, -(-tokens // self.context_size))
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        index = torch.randint(0, self.rows, (rows,), generator=generator).sort().values.tolist()
+        data = self.dataset[index]
+        stack = lambda names: torch.stack([torch.from_numpy(data[n]).reshape(-1, data[n].shape[-1]) for n in names])  # noqa: E731
+        return stack(self.names[0::2]), stack(self.names[1::2])
+
+
+def new_transcoders(identity: ModelIdentity, config: TrainingConfig) -> TranscoderSet | CrossLayerTranscoder:
+    """Untrained transcoders for a model, as `config` says, initialized from `config.seed`."""
+    d = identity.hidden_size
+    if config.cross_layer:
+        tcs = CrossLayerTranscoder(identity.num_layers, d, config.d_transcoder, activation=config.activation,
+                                   k=config.k, skip=config.skip, identity=identity)
+        init_transcoder_(tcs, config.seed, config.threshold)
+        tcs.bandwidth = config.bandwidth
+        return tcs
+    layers = []
+    for l in range(identity.num_layers):
+        tc = Transcoder(d, config.d_transcoder, layer=l, activation=config.activation, k=config.k, skip=config.skip)
+        init_transcoder_(tc, config.seed + l, config.threshold)
+        tc.bandwidth = config.bandwidth
+        layers.append(tc)
+    return TranscoderSet(layers, identity=identity)
+
+
+def _training_loss(tcs, x: Tensor, y: Tensor, scale: Tensor, config: TrainingConfig) -> tuple[Tensor, Tensor]:
+    """(loss, normalized squared error per layer) of one batch."""
+    pre = [tcs.encode(l, x[l], apply_activation=False) for l in range(tcs.n_layers)]
+    acts = [tcs.activate(l, p) for l, p in enumerate(pre)]
+    errors = torch.stack([((tcs.decode_to(l, acts, x[l]) - y[l]) ** 2).sum(-1).mean() for l in range(tcs.n_layers)])
+    errors = errors / scale
+    penalty = torch.zeros(())
+    if config.activation == "relu":
+        penalty = sum((a * tcs.decoder_norms(l)).sum(-1).mean() for l, a in enumerate(acts))
+    elif config.activation == "jumprelu":
+        penalty = sum(step(p, tcs.threshold_of(l), config.bandwidth).sum(-1).mean() for l, p in enumerate(pre))
+    return errors.sum() + config.sparsity * penalty, errors.detach()
+
+
+def _lr_factor(step_index: int, steps: int) -> float:
+    decay_from = steps - steps // 5
+    return 1.0 if step_index < decay_from else (steps - step_index) / (steps - decay_from)
+
+
+def train_transcoders(source, *, dataset=None, config: TrainingConfig = TrainingConfig(),
+                      checkpoint: str | os.PathLike | None = None, progress: bool | None = None,
+                      context_size: int | None = None, family: str | None = None,
+                      harvest_dir: str | os.PathLike | None = None) -> TranscoderSet | CrossLayerTranscoder:
+    """Transcoders (per layer, or one cross-layer transcoder with `config.cross_layer`) trained to map
+    every layer's `mlp_input` to its `mlp.mlp_output`.
+
+    source: a `corpus.harvest` directory holding every layer's `layers.{l}.mlp_input` and
+      `layers.{l}.mlp.mlp_output`; or, with `dataset`, a model (a hooked model, a checkpoint path or
+      "embedded", `family` saying which) whose activations over `dataset` (anything `corpus.harvest`
+      takes, with its `context_size`) are harvested first, into `harvest_dir` (default: a temporary one).
+    checkpoint: a file written every `config.checkpoint_every` steps and at the end (parameters,
+      optimizer state, step); a rerun with the same file, source and config resumes from it and ends
+      with the uninterrupted run's weights bit for bit. One of other settings is refused.
+    progress: a progress bar (default: on a terminal).
+    """
+    if dataset is not None:
+        if harvest_dir is None:
+            with tempfile.TemporaryDirectory(prefix="transcoder-harvest-") as tmp:
+                return train_transcoders(source, dataset=dataset, config=config, checkpoint=checkpoint,
+                                         progress=progress, context_size=context_size, family=family,
+                                         harvest_dir=tmp)
+        _harvest_mlps(source, dataset, harvest_dir, context_size, family, progress)
+        source = harvest_dir
+    elif not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"source is a {type(source).__name__}: pass a harvest directory, or a model with dataset=")
+    reader = HarvestReader(source)
+    torch.manual_seed(config.seed)
+    tcs = new_transcoders(reader.identity, config)
+    optimizer = torch.optim.Adam(tcs.parameters(), lr=config.lr)
+    x0, y0 = reader.batch(0, config.batch_tokens, config.seed)
+    with torch.no_grad():  # the decoder bias starts at the mean output; errors are relative to the output's size
+        scale = (y0 ** 2).sum(-1).mean(-1)
+        for l in range(tcs.n_layers):
+            (tcs[l].b_dec if isinstance(tcs, TranscoderSet) else tcs.b_dec[l]).copy_(y0[l].mean(0))
+    start = 0
+    job = {"config": asdict(config), "identity": asdict(reader.identity), "rows": reader.rows}
+    if checkpoint is not None and Path(checkpoint).is_file():
+        saved = torch.load(checkpoint, weights_only=True)
+        theirs = json.loads(saved["job"])
+        for key, mine in job.items():
+            if theirs.get(key) != mine:
+                raise ValueError(f"checkpoint {checkpoint} is of another training run: its {key} is {theirs.get(key)}, "
+                                 f"this run's {mine}")
+        tcs.load_state_dict(saved["transcoders"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start, scale = int(saved["step"]), saved["scale"]
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=config.steps, initial=start, desc="transcoders", unit="step", disable=not show) as bar:
+        for step_index in range(start, config.steps):
+            x, y = reader.batch(step_index, config.batch_tokens, config.seed)
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr * _lr_factor(step_index, config.steps)
+            loss, errors = _training_loss(tcs, x, y, scale, config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if config.activation == "jumprelu":
+                with torch.no_grad():  # a threshold stays non-negative
+                    for l in range(tcs.n_layers):
+                        tcs.threshold_of(l).clamp_(min=0)
+            done = step_index + 1
+            if checkpoint is not None and (done % config.checkpoint_every == 0 or done == config.steps):
+                _save_checkpoint(checkpoint, tcs, optimizer, done, scale, job)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}", fve=f"{1 - errors.mean().item():.3f}", refresh=False)
+    return tcs.eval()
+
+
+def _save_checkpoint(path, tcs, optimizer, step_index: int, scale: Tensor, job: dict) -> None:
+    """Written under a temporary name and renamed into place: a killed run leaves the previous one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"transcoders": tcs.state_dict(), "optimizer": optimizer.state_dict(), "step": step_index,
+                "scale": scale, "job": json.dumps(job)}, tmp)
+    os.replace(tmp, path)
+
+
+def _harvest_mlps(model, dataset, out, context_size, family, progress) -> None:
+    """Every layer's MLP input and output over `dataset`, into `out` (corpus.harvest)."""
+    from hooked_models import corpus
+    from hooked_models.families import load_model
+    from hooked_models.model import HookedModel
+
+    num_layers = (model if isinstance(model, HookedModel) else load_model(model, family)).cfg.num_layers
+    names = [name for l in range(num_layers) for name in (input_hook_name(l), output_hook_name(l))]
+    corpus.harvest(model, dataset, names, out, context_size=context_size, family=family, progress=progress)
+
+
+# -------------------------------------------------------------------------------------- fidelity
+@torch.no_grad()
+def transcoder_fidelity(model, transcoders: TranscoderSet | CrossLayerTranscoder, tokens: Tensor) -> dict:
+    """How much of the MLPs the transcoders replace, on `tokens` [batch seq]:
+
+    variance_explained: per layer, 1 - Σ|y - ŷ|² / Σ|y - mean y|² over every position, ŷ the
+      transcoders' output from the model's own MLP inputs;
+    loss, loss_spliced, loss_zero_ablated: the next-token loss of the model, of the replacement model
+      (every MLP output replaced by the transcoders' from the replacement model's own MLP inputs, no
+      error terms), and with every MLP output zero;
+    loss_recovered: (zero_ablated - spliced) / (zero_ablated - loss), 1 when the replacement is perfect;
+    loss_gap: spliced - loss.
+    """
+    transcoders.check_model(model)
+    n = transcoders.n_layers
+    inputs, outputs = [input_hook_name(l) for l in range(n)], [output_hook_name(l) for l in range(n)]
+    _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in inputs + outputs)
+    acts = [transcoders.encode(l, cache[inputs[l]]) for l in range(n)]
+    explained = []
+    for l in range(n):
+        y = cache[outputs[l]].reshape(-1, cache[outputs[l]].shape[-1])
+        y_hat = transcoders.decode_to(l, acts, cache[inputs[l]]).reshape(y.shape)
+        explained.append(1 - float(((y - y_hat) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()))
+    loss = float(model(tokens, return_type="loss"))
+    live: dict[int, Tensor] = {}  # the replacement model's features, layer by layer
+    live_inputs: dict[int, Tensor] = {}
+
+    def read(layer):
+        def hook(x, hook):
+            live[layer], live_inputs[layer] = transcoders.encode(layer, x), x
+        return hook
+
+    def write(layer):
+        return lambda y, hook: transcoders.decode_to(layer, live, live_inputs[layer]).to(y.dtype)
+
+    spliced = float(model.run_with_hooks(tokens, return_type="loss", fwd_hooks=[
+        hook for l in range(n) for hook in ((inputs[l], read(l)), (outputs[l], write(l)))]))
+    ablated = float(model.run_with_hooks(tokens, return_type="loss",
+                                         fwd_hooks=[(name, lambda y, hook: torch.zeros_like(y)) for name in outputs]))
+    return {"variance_explained": explained, "loss": loss, "loss_spliced": spliced, "loss_zero_ablated": ablated,
+            "loss_recovered": (ablated - spliced) / (ablated - loss), "loss_gap": spliced - loss}

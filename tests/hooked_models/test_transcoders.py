@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from hooked_models import HookedAlphaEr, HookedArcee
 from hooked_models.transcoders import (
     CrossLayerTranscoder, ModelIdentity, Transcoder, TranscoderSet, init_transcoder_, jumprelu, load_transcoders,
-    step,
+    step, transcoder_fidelity,
 )
 
 
@@ -162,7 +162,7 @@ def test_cross_layer_transcoder_round_trips(tmp_path, alpha_er):
 
 def test_transcoders_for_another_model_are_refused(tmp_path, arcee, alpha_er):
     TranscoderSet([Transcoder(64, 16, layer=l) for l in range(2)], model=arcee).save(tmp_path)
-    with pytest.raises(ValueError, match="trained for a arcee model .* this model has family='alpha_er'"):
+    with pytest.raises(ValueError, match="trained for the arcee model .* this model has family='alpha_er'"):
         TranscoderSet.load(tmp_path, model=alpha_er)
     with pytest.raises(ValueError, match="3 transcoders for a model of 2 layers"):
         TranscoderSet([Transcoder(64, 16, layer=l) for l in range(3)], model=arcee)
@@ -296,3 +296,123 @@ def test_bad_transcoder_splices_are_clear_errors(tl_model, tl_tokens):
     with pytest.raises(ValueError, match="spliced on the value it writes, not on 'layers.0.mlp_input'"):
         model.add_sae(Transcoder(d, 8, layer=0), "layers.0.mlp_input")
     assert model.acts_to_saes == {}
+
+
+# -------------------------------------------------------------------------------------- training
+def mlp_names(model):
+    return [name for l in range(model.cfg.num_layers) for name in (f"layers.{l}.mlp_input", f"layers.{l}.mlp.mlp_output")]
+
+
+@pytest.fixture(scope="module", params=["arcee", "alpha_er"])
+def embedded_harvest(request, tmp_path_factory, arcee, alpha_er):
+    from hooked_models import corpus
+    from hooked_models.embedded.task import make_ioi_prompts
+
+    model = arcee if request.param == "arcee" else alpha_er
+    out = tmp_path_factory.mktemp(f"harvest-{request.param}") / "acts"
+    tokens = make_ioi_prompts(256, 41).clean_tokens
+    corpus.harvest(model, tokens, mlp_names(model), out, progress=False)
+    return model, out, tokens
+
+
+def _initial(reader, config, y):
+    """The transcoders training starts from (decoder bias at the batch's mean output, as it sets it)."""
+    from hooked_models.transcoders import new_transcoders
+
+    start = new_transcoders(reader.identity, config)
+    with torch.no_grad():
+        for l in range(start.n_layers):
+            (start[l].b_dec if isinstance(start, TranscoderSet) else start.b_dec[l]).copy_(y[l].mean(0))
+    return start
+
+
+@pytest.mark.parametrize("config", [
+    dict(activation="relu", sparsity=1e-3),
+    dict(activation="topk", k=8, skip=True),
+    dict(activation="jumprelu", sparsity=1e-3),
+    dict(activation="relu", cross_layer=True),
+    dict(activation="jumprelu", cross_layer=True, skip=True),
+], ids=["relu", "topk-skip", "jumprelu", "cross-layer-relu", "cross-layer-jumprelu-skip"])
+def test_training_lowers_the_loss(embedded_harvest, config):
+    """Every kind trains: after 40 steps the loss on a batch is under half the initial one's."""
+    from hooked_models.transcoders import HarvestReader, TrainingConfig, _training_loss, train_transcoders
+
+    model, harvest, _ = embedded_harvest
+    config = TrainingConfig(d_transcoder=64, steps=40, batch_tokens=256, lr=3e-3, **config)
+    tcs = train_transcoders(harvest, config=config, progress=False)
+    assert isinstance(tcs, CrossLayerTranscoder if config.cross_layer else TranscoderSet)
+    reader = HarvestReader(harvest)
+    x, y = reader.batch(1000, 256, 0)
+    scale = (y ** 2).sum(-1).mean(-1)
+    with torch.no_grad():
+        trained = _training_loss(tcs, x, y, scale, config)[0]
+        initial = _training_loss(_initial(reader, config, y), x, y, scale, config)[0]
+    assert trained < 0.5 * initial, (float(trained), float(initial))
+
+
+def test_training_explains_the_mlps(embedded_harvest):
+    """TopK transcoders (the shipped kind) after a short run (200 steps on 4096 tokens) explain the MLP
+    outputs on held-out prompts: on the embedded Arcee, above 0.9 of each layer's variance and 0.8 of
+    the next-token loss (measured 0.94, 0.99; 0.88); on alpha-er, whose first layer's positional experts
+    are harder, above 0.4 (measured 0.51, 0.91; 0.51). The shipped transcoders, trained longer, meet
+    the README's bounds (test_shipped_transcoders_meet_their_stated_fidelity)."""
+    from hooked_models.embedded.task import make_ioi_prompts
+    from hooked_models.transcoders import TrainingConfig, train_transcoders
+
+    model, harvest, _ = embedded_harvest
+    config = TrainingConfig(d_transcoder=128, activation="topk", k=16, steps=200, batch_tokens=512, lr=3e-3)
+    tcs = train_transcoders(harvest, config=config, progress=False)
+    fidelity = transcoder_fidelity(model, tcs, make_ioi_prompts(64, 4242).clean_tokens)
+    explained, recovered = (0.9, 0.8) if isinstance(model, HookedArcee) else (0.4, 0.4)
+    assert min(fidelity["variance_explained"]) > explained, fidelity
+    assert fidelity["loss_recovered"] > recovered, fidelity
+
+
+def test_training_resumes_from_its_checkpoint_bit_for_bit(embedded_harvest, tmp_path, monkeypatch):
+    from hooked_models.transcoders import HarvestReader, TrainingConfig, train_transcoders
+
+    model, harvest, _ = embedded_harvest
+    config = TrainingConfig(d_transcoder=32, steps=20, batch_tokens=128, checkpoint_every=5, activation="jumprelu")
+    whole = train_transcoders(harvest, config=config, progress=False)
+    batch = HarvestReader.batch
+
+    def interrupted(self, step_index, *args):
+        if step_index == 13:
+            raise KeyboardInterrupt
+        return batch(self, step_index, *args)
+
+    monkeypatch.setattr(HarvestReader, "batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_transcoders(harvest, config=config, checkpoint=tmp_path / "ckpt.pt", progress=False)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 10
+    monkeypatch.setattr(HarvestReader, "batch", batch)
+    resumed = train_transcoders(harvest, config=config, checkpoint=tmp_path / "ckpt.pt", progress=False)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="checkpoint .* is of another training run: its config"):
+        train_transcoders(harvest, config=TrainingConfig(d_transcoder=32, steps=20, batch_tokens=128, lr=1e-3),
+                          checkpoint=tmp_path / "ckpt.pt", progress=False)
+
+
+def test_training_from_a_model_and_a_dataset_harvests_first(embedded_harvest):
+    from hooked_models.transcoders import TrainingConfig, train_transcoders
+
+    model, harvest, tokens = embedded_harvest
+    config = TrainingConfig(d_transcoder=32, steps=5, batch_tokens=128)
+    from_disk = train_transcoders(harvest, config=config, progress=False)
+    from_model = train_transcoders(model, dataset=tokens, config=config, progress=False)
+    for a, b in zip(from_disk.state_dict().values(), from_model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert from_model.identity == ModelIdentity.of(model)
+
+
+def test_a_harvest_without_the_mlp_values_is_refused(tmp_path, arcee):
+    from hooked_models import corpus
+    from hooked_models.embedded.task import make_ioi_prompts
+    from hooked_models.transcoders import train_transcoders
+
+    corpus.harvest(arcee, make_ioi_prompts(4, 0).clean_tokens, ["layers.0.mlp_input"], tmp_path / "acts", progress=False)
+    with pytest.raises(ValueError, match="lacks layers.0.mlp.mlp_output, layers.1.mlp_input"):
+        train_transcoders(tmp_path / "acts")
+    with pytest.raises(FileNotFoundError, match="not a corpus.harvest output"):
+        train_transcoders(tmp_path)
