@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from tqdm import tqdm
 
 from hooked_models.transcoders import CrossLayerTranscoder
 
@@ -645,7 +646,7 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
         layer, pos, feature = state.active[i].tolist()
         return _Target(layer, pos, transcoders.encoder(layer)[:, feature].detach().to(dtype))
 
-    bar = _progress(progress)
+    bar = tqdm(desc="attribution", unit="target", disable=not progress)
     computed: dict = {}  # target key -> (row, loadings, skips)
 
     def compute(keys: list) -> None:
@@ -720,25 +721,6 @@ def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_ac
         compute([("feature", i) for i in take])
         done.extend(take)
     return torch.tensor(sorted(done), dtype=torch.long)
-
-
-class _NoBar:
-    def reset(self, total=None):
-        pass
-
-    def update(self, n=1):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(progress: bool):
-    if not progress:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(desc="attribution", unit="target")
 
 
 # ----------------------------------------------------------------------------------- intervention

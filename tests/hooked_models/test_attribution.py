@@ -235,7 +235,7 @@ def test_logits_cover_the_desired_probability(setup):
 
 def test_batch_size_and_head_loadings_change_no_edge(setup):
     model, tcs, tokens, graph = setup
-    small = attribute(model, tokens, tcs, batch_size=5, head_loadings=False)
+    small = attribute(model, tokens, tcs, batch_size=5, head_loadings=False, progress=True)
     assert small.head_loadings is None
     torch.testing.assert_close(small.adjacency_matrix, graph.adjacency_matrix, rtol=1e-6, atol=1e-7)
 
