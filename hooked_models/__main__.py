@@ -3,6 +3,7 @@
     python -m hooked_models harvest --model embedded --names layers.1.layer_output --dataset PATH --out DIR
     python -m hooked_models harvest ... --engine ray --workers 2
     python -m hooked_models patch --model embedded --pairs PATH --value layer_input --over layer seq
+    python -m hooked_models explore --model embedded --data out       # the explorer, http://127.0.0.1:8000
 """
 
 import argparse
@@ -102,11 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--save", default=None, help="write the result (torch.save of its fields) to this file")
     patch.add_argument("--plot", default=None, help="write the result's heatmap to this PNG")
 
+    _explore_command(commands)
     return parser
+
+
+def _explore_command(commands) -> None:
+    explore = commands.add_parser(
+        "explore", help="the explorer: a local web app over a model (prompt, attention, patching, circuits, "
+                        "features, attribution graphs)",
+        description="Serve the explorer on http://HOST:PORT (127.0.0.1: this machine only), offline. The page "
+                    "reads files (harvests, graph files) only under the --data directories.")
+    explore.add_argument("--model", default="embedded",
+                         help="checkpoint path, 'embedded', or a Hub id in the local cache (default: %(default)s)")
+    explore.add_argument("--family", choices=("arcee", "alpha_er", "alpha-er"), default=None,
+                         help="the family 'embedded' means (default: arcee); a path's family is detected")
+    explore.add_argument("--dtype", type=dtype_argument, default=None, metavar="DTYPE",
+                         help="dtype the model runs in (default: the checkpoint's)")
+    explore.add_argument("--data", nargs="+", default=[], metavar="DIR",
+                         help="directories the page may read harvests and graph files from")
+    explore.add_argument("--sae", nargs="+", default=[], metavar="DIR",
+                         help="SAEs for the features view: SAELens directories (cfg.json and "
+                              "sae_weights.safetensors; needs sae_lens installed)")
+    explore.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    explore.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+
+
+def _explore(args) -> int:
+    from hooked_models.explorer import serve  # lazily: --help and the other commands need no web server
+    from hooked_models.explorer.server import load_sae
+    from hooked_models.families import load_model
+
+    model = load_model(args.model, args.family, args.dtype)
+    saes = {Path(path).name: load_sae(path) for path in args.sae}
+    print(f"explorer on http://{args.host}:{args.port} ({type(model).__name__}); Ctrl-C stops it")
+    serve(model, args.data, saes, host=args.host, port=args.port)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "explore":
+        return _explore(args)
     progress = False if args.no_progress else None
     if args.command == "harvest":
         summary = corpus.harvest(

@@ -92,7 +92,8 @@ def _d_sae(sae: nn.Module) -> int:
     return int(sae.W_dec.shape[0])
 
 
-def _check_feature(feature: int, d_sae: int) -> int:
+def check_feature(feature: int, d_sae: int) -> int:
+    """`feature` if it indexes one of `d_sae` features, else a ValueError naming the range."""
     if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < d_sae:
         raise ValueError(f"feature={feature!r} is outside [0, {d_sae - 1}]: the SAE has {d_sae} features")
     return feature
@@ -118,7 +119,7 @@ def logit_effects(model, sae: nn.Module, feature: int, k: int = 10):
     """The k tokens W_dec[feature] @ W_U raises most and the k it lowers most, as (token, weight), and a
     note: empty, or why there are none (a decoder whose width is not the residual stream's)."""
     with torch.no_grad():
-        return _logit_effects(model, sae.W_dec[_check_feature(feature, _d_sae(sae))], k)
+        return _logit_effects(model, sae.W_dec[check_feature(feature, _d_sae(sae))], k)
 
 
 def _logit_effects(model, direction: Tensor, k: int):
@@ -147,7 +148,7 @@ def dashboard(model, harvest_path, sae: nn.Module, feature: int, *, name: str | 
     harvest = _open(harvest_path)
     column = _column(model, harvest, sae, name)
     d_sae = _d_sae(sae)
-    _check_feature(feature, d_sae)
+    check_feature(feature, d_sae)
     per_row, tokens = [], []
     with torch.no_grad():
         for _, ids, acts in _batches(harvest, column, batch_size, progress):

@@ -110,6 +110,20 @@ class Job:
         return {**asdict(self), "elapsed": elapsed}
 
 
+def finite_list(tensor: torch.Tensor) -> list:
+    """tensor.tolist() with every non-finite entry (a masked score's -inf) as None: JSON has no infinity."""
+    values = tensor.tolist()
+    if not bool(tensor.isfinite().all()):
+        flat = tensor.flatten()
+        for index in (~flat.isfinite()).nonzero().flatten().tolist():
+            *outer, last = torch.unravel_index(torch.tensor(index), tensor.shape)
+            row = values
+            for i in outer:
+                row = row[int(i)]
+            row[int(last)] = None
+    return values
+
+
 def _message(error: Exception) -> str:
     """The user's message for an exception: its text (a KeyError's without the quotes repr adds)."""
     if isinstance(error, KeyError) and error.args:
@@ -240,7 +254,7 @@ class Explorer:
 
         def per_layer(leaf: str):
             found = [n for n in cache.keys() if n.endswith(leaf)]
-            return [cache[n][0].tolist() for n in sorted(found, key=lambda n: int(n.split(".")[1]))] or None
+            return [finite_list(cache[n][0]) for n in sorted(found, key=lambda n: int(n.split(".")[1]))] or None
 
         group = cfg.num_heads // cfg.num_kv_heads
         return {"tokens": model.to_str_tokens(tokens[0]), "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
@@ -253,6 +267,7 @@ class Explorer:
 
     def patch(self, request: PatchRequest) -> dict:
         clean, corrupted, metric = self.pair(request)
+        patching.find_sites(self.model, request.value)  # an unknown value is refused now, not in the job
 
         def work(job):
             result = patching.activation_patch(self.model, clean, corrupted, metric, request.value, request.over,
@@ -326,6 +341,7 @@ class Explorer:
 
     def dashboard(self, request: FeatureRequest) -> dict:
         sae, harvest = self.sae(request.sae), self.path(request.harvest)
+        features.check_feature(request.feature, int(sae.W_dec.shape[0]))
 
         def work(job):
             board = features.dashboard(self.model, harvest, sae, request.feature,
@@ -346,6 +362,18 @@ class Explorer:
             return {"token": request.token, "features": found, "sae": request.sae}
 
         return self.submit("search", work)
+
+
+def load_sae(path: str | Path) -> nn.Module:
+    """An SAE SAELens saved (a directory with cfg.json and sae_weights.safetensors), loaded by SAELens."""
+    path = Path(path)
+    if not (path / "cfg.json").is_file():
+        raise ValueError(f"{path} is not a SAELens SAE directory (it has no cfg.json)")
+    try:
+        from sae_lens import SAE
+    except ImportError:
+        raise ImportError(f"loading the SAE at {path} needs sae_lens (the package's `sae` extra)") from None
+    return SAE.load_from_disk(str(path))
 
 
 # ----------------------------------------------------------------------------------------------- app
