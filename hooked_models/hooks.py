@@ -46,9 +46,12 @@ class ValueHook(HookPoint):
 
     `splice` (hooked_models/saes.py) is what the value is replaced with, an SAE, or None: the
     HookPoint's forward runs it, so its hooks see, and the model reads on, the SAE's output.
+    `readers` are called with the value the model reads on, after every hook (a spliced transcoder
+    reads its input there: the MLP's input, as edited).
     """
 
     splice = None
+    readers = ()
 
     def __init__(self, value: Value | str):
         super().__init__()
@@ -58,6 +61,12 @@ class ValueHook(HookPoint):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.splice is None else self.splice(x)
 
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        for reader in self.readers:
+            reader(out)
+        return out
+
     def add_hook(self, hook, dir="fwd", is_permanent=False, level=None, prepend=False, alias_names=None):
         if dir == "fwd":
             hook = _CheckedHook(hook, self)
@@ -66,7 +75,7 @@ class ValueHook(HookPoint):
     def has_hooks(self, dir="both", including_permanent=True, level=None) -> bool:
         # Fast path for the forward's "is anyone looking?" checks; a spliced SAE is a reader and a writer.
         if dir == "both" and including_permanent and level is None:
-            return bool(self.fwd_hooks or self.bwd_hooks or self.splice is not None)
+            return bool(self.fwd_hooks or self.bwd_hooks or self.splice is not None or self.readers)
         return super().has_hooks(dir, including_permanent, level)
 
     def __repr__(self) -> str:

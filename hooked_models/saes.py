@@ -7,6 +7,7 @@
     cache["layers.1.layer_output.hook_sae_acts_post"]   # or "blocks.1.hook_resid_post.hook_sae_acts_post"
     with model.saes(saes={"layers.0.mlp.mlp_output": module}): ...
     model.reset_saes()                                  # the model is bit-identical to before
+    model.run_with_saes(tokens, saes=transcoders, use_error_term=True)   # a TranscoderSet: the replacement model
 
 The SAE replaces the value it is spliced on: the value's HookPoint returns the SAE's output, so what the
 layers above read, and what a hook on the value sees, is the reconstruction (plus the error term with
@@ -27,6 +28,15 @@ reconstruction with its hooks off (SAELens's definition), written as value − (
 (error − error as hooked): mathematically the same, and exactly the value, bit for bit, when no hook
 changed a feature, the reconstruction or the error. An edit to the features moves the output by the
 edit's effect on the reconstruction.
+
+Transcoders. A module that names two values, the one it reads (`hook_name`, SAELens's
+`cfg.metadata.hook_name`) and the one it writes (`hook_name_out`), is a transcoder: it is spliced on
+the value it writes, its input read from the other value as the model reads it on (after every hook:
+`ValueHook.readers`), and its reconstruction is decode(encode(input)) (+ input @ W_skip.T where it has
+a skip connection). The error is the written value minus that, so with `use_error_term` the value is
+again bit for bit what it was; the written value enters as a constant (SAELens's error term), so
+gradients reach the layers below through the transcoder alone, not through the MLP it replaces. A set
+of them (a `TranscoderSet`: anything with `spliced_modules()`) splices each.
 """
 
 import math
@@ -56,6 +66,29 @@ def sae_hook_name(sae: nn.Module) -> str | None:
     return name if name is not None else getattr(sae, "hook_name", None)
 
 
+def sae_hook_name_out(sae: nn.Module) -> str | None:
+    """The value a transcoder writes: SAELens's `cfg.metadata.hook_name_out`, else `hook_name_out`."""
+    metadata = getattr(getattr(sae, "cfg", None), "metadata", None)
+    name = getattr(metadata, "hook_name_out", None)
+    return name if name is not None else getattr(sae, "hook_name_out", None)
+
+
+def sae_out_width(sae: nn.Module) -> int | None:
+    """The width an SAE or transcoder writes (`cfg.d_out`, `d_out`, W_dec's columns; an SAE's d_in)."""
+    for width in (getattr(getattr(sae, "cfg", None), "d_out", None), getattr(sae, "d_out", None)):
+        if isinstance(width, int):
+            return width
+    w_dec = getattr(sae, "W_dec", None)
+    return int(w_dec.shape[1]) if isinstance(w_dec, Tensor) and w_dec.ndim == 2 else sae_width(sae)
+
+
+def _spliced_modules(saes) -> list[nn.Module]:
+    """A module, or a list of them, with each set (`spliced_modules()`) expanded into its members."""
+    modules = [saes] if isinstance(saes, nn.Module) else list(saes)
+    return [m for module in modules for m in (module.spliced_modules() if hasattr(module, "spliced_modules")
+                                              else [module])]
+
+
 def sae_width(sae: nn.Module) -> int | None:
     """The width an SAE reads (SAELens's `cfg.d_in`, a `d_in` attribute, or W_enc's rows), if it says."""
     for width in (getattr(getattr(sae, "cfg", None), "d_in", None), getattr(sae, "d_in", None)):
@@ -66,10 +99,12 @@ def sae_width(sae: nn.Module) -> int | None:
 
 
 class _Splice:
-    """One SAE on one value: what the value's HookPoint runs in place of the identity."""
+    """One SAE on one value: what the value's HookPoint runs in place of the identity. A transcoder's
+    splice reads its input at `input_point` (another value) instead of the value it replaces."""
 
-    def __init__(self, sae: nn.Module, point: ValueHook, use_error_term: bool):
+    def __init__(self, sae: nn.Module, point: ValueHook, use_error_term: bool, input_point: ValueHook | None = None):
         self.sae, self.point, self.value, self.use_error_term = sae, point, point.value, use_error_term
+        self.input_point, self._input = input_point, None
         # SAELens's hook_z SAEs flatten (and unflatten) the heads themselves.
         self.sae_flattens = bool(getattr(sae, "hook_z_reshaping_mode", False))
         self.own = {n: getattr(sae, n) for n in _SAE_OWN if isinstance(getattr(sae, n, None), HookPoint)}
@@ -80,17 +115,27 @@ class _Splice:
         self._own_names = {n: p.name for n, p in self.own.items()}
 
     def __call__(self, x: Tensor) -> Tensor:
-        sae_in = self._to_sae(x)
-        recons = self._decode(self._encode(sae_in, self.made), self.made)
+        target = self._to_sae(x, self.point, sae_width(self.sae) if self.input_point is None else sae_out_width(self.sae))
+        if self.input_point is None:
+            sae_in = target
+        else:
+            if self._input is None:
+                raise RuntimeError(f"the transcoder on {self.point.name!r} found no input at {self.input_point.name!r}")
+            sae_in, self._input = self._to_sae(self._input, self.input_point, sae_width(self.sae)), None
+            target = target.detach()  # the error term is a constant: no gradient through what it replaces
+        recons = self._decode(self._encode(sae_in, self.made), sae_in, self.made)
         if not self.use_error_term:
             out = recons
         else:
             with torch.no_grad():
                 clean = self._clean_recons(sae_in) if self._hooked() else recons.detach()
-                error = sae_in - clean
+                error = target - clean
                 hooked_error = self._fire("hook_sae_error", error)
-            out = sae_in - (clean - recons) - (error - hooked_error)
+            out = target - (clean - recons) - (error - hooked_error)
         return self._from_sae(self._fire("hook_sae_output", out), x)
+
+    def _read_input(self, x: Tensor) -> None:
+        self._input = x
 
     # ------------------------------------------------------------------------------------ steps
     def _fire(self, name: str, tensor: Tensor, hooks: Mapping[str, HookPoint] | None = None) -> Tensor:
@@ -100,8 +145,12 @@ class _Splice:
     def _encode(self, sae_in: Tensor, hooks: Mapping[str, HookPoint]) -> Tensor:
         return self._fire("hook_sae_acts_post", self.sae.encode(self._fire("hook_sae_input", sae_in, hooks)), hooks)
 
-    def _decode(self, acts: Tensor, hooks: Mapping[str, HookPoint]) -> Tensor:
-        return self._fire("hook_sae_recons", self.sae.decode(acts), hooks)
+    def _decode(self, acts: Tensor, sae_in: Tensor, hooks: Mapping[str, HookPoint]) -> Tensor:
+        recons = self.sae.decode(acts)
+        w_skip = getattr(self.sae, "W_skip", None)  # a skip transcoder's, [d_out d_in]
+        if self.input_point is not None and w_skip is not None:
+            recons = recons + sae_in.to(w_skip.dtype) @ w_skip.T
+        return self._fire("hook_sae_recons", recons, hooks)
 
     def _hooked(self) -> bool:
         return any(p.fwd_hooks or p.bwd_hooks for p in self.hooks.values())
@@ -112,17 +161,17 @@ class _Splice:
         try:
             for name in self.own:
                 setattr(self.sae, name, identity)
-            return self._decode(self.sae.encode(sae_in), {})
+            return self._decode(self.sae.encode(sae_in), sae_in, {})
         finally:
             for name, point in self.own.items():
                 setattr(self.sae, name, point)
 
-    def _to_sae(self, x: Tensor) -> Tensor:
-        tl = self.value.to_tl(x)
+    def _to_sae(self, x: Tensor, point: ValueHook, expected: int | None) -> Tensor:
+        tl = point.value.to_tl(x)
         flat = tl if self.sae_flattens else tl.flatten(2)
-        width, expected = tl.shape[2:].numel(), sae_width(self.sae)
+        width = tl.shape[2:].numel()
         if expected is not None and width != expected:
-            raise ValueError(width_error(self.point.name, self.value, width, expected))
+            raise ValueError(width_error(point.name, point.value, width, expected))
         return flat
 
     def _from_sae(self, out: Tensor, like: Tensor) -> Tensor:
@@ -137,10 +186,15 @@ class _Splice:
         for name, point in self.hooks.items():
             setattr(self.point, name, point)
         self.point.splice = self
+        if self.input_point is not None:
+            self.input_point.readers = (*self.input_point.readers, self._read_input)
 
     def detach(self) -> None:
         for name in self.hooks:
             delattr(self.point, name)
+        if self.input_point is not None:
+            self.input_point.readers = tuple(r for r in self.input_point.readers if r != self._read_input)
+            self._input = None
         for name, point in self.own.items():
             point.name = self._own_names[name]  # the model's setup renamed them
         self.point.splice = None
@@ -167,17 +221,25 @@ class SAEMixin:
 
         `use_error_term` (default: the SAE's own `use_error_term`, else False) adds the SAE's error,
         so the model computes what it did unspliced while the features stay readable and patchable.
+        A transcoder (it names the value it writes, `hook_name_out`) is spliced on that value and reads
+        its own `hook_name`; `hook_name`, if given, must name the value it writes. A set of them
+        (`spliced_modules()`, a TranscoderSet) adds each.
         """
-        point = self._splice_point(sae, hook_name)
+        if hasattr(sae, "spliced_modules"):
+            for module in sae.spliced_modules():
+                self.add_sae(module, None, use_error_term)
+            return
+        point, input_point = self._splice_point(sae, hook_name)
         if use_error_term is None:
             use_error_term = bool(getattr(sae, "use_error_term", False))
         if point.splice is not None:
             point.splice.detach()
-        _Splice(sae, point, use_error_term).attach()
+        _Splice(sae, point, use_error_term, input_point).attach()
         self.setup()
 
-    def _splice_point(self, sae: nn.Module, hook_name: str | None) -> ValueHook:
-        """The HookPoint of the value `sae` would replace, every precondition checked (nothing changed)."""
+    def _splice_point(self, sae: nn.Module, hook_name: str | None) -> tuple[ValueHook, ValueHook | None]:
+        """The HookPoint of the value `sae` would replace, and a transcoder's input's (else None), every
+        precondition checked (nothing changed)."""
         name = hook_name or sae_hook_name(sae)
         if name is None:
             raise ValueError(f"{type(sae).__name__} names no hook (no cfg.metadata.hook_name or hook_name): "
@@ -185,16 +247,24 @@ class SAEMixin:
         if not (callable(getattr(sae, "encode", None)) and callable(getattr(sae, "decode", None))):
             raise ValueError(f"{type(sae).__name__} has no encode/decode: an SAE maps [batch pos d_in] to "
                              "features and back")
-        out_name = getattr(getattr(getattr(sae, "cfg", None), "metadata", None), "hook_name_out", None)
-        if out_name not in (None, name) and hook_name is None:
-            raise ValueError(f"{type(sae).__name__} reads {name!r} and writes {out_name!r} (a transcoder); "
-                             "add_sae splices SAEs, which write back where they read")
-        canonical, _ = self.resolve_hook_name(name)
+        in_name, out_name = sae_hook_name(sae), sae_hook_name_out(sae)
+        if out_name in (None, in_name):  # an SAE: it writes back where it reads
+            canonical, _ = self.resolve_hook_name(name)
+            point = self.standard_hook_dict[canonical]
+            self._check_spliceable(canonical, point, sae_width(sae))
+            return point, None
+        canonical, _ = self.resolve_hook_name(out_name)
+        if hook_name is not None and self.resolve_hook_name(hook_name)[0] != canonical:
+            raise ValueError(f"{type(sae).__name__} reads {in_name!r} and writes {out_name!r} (a transcoder): it is "
+                             f"spliced on the value it writes, not on {hook_name!r}")
         point = self.standard_hook_dict[canonical]
-        self._check_spliceable(canonical, point, sae)
-        return point
+        self._check_spliceable(canonical, point, sae_out_width(sae))
+        in_canonical, _ = self.resolve_hook_name(in_name)
+        input_point = self.standard_hook_dict[in_canonical]
+        self._check_spliceable(in_canonical, input_point, sae_width(sae))
+        return point, input_point
 
-    def _check_spliceable(self, name: str, point: HookPoint, sae: nn.Module) -> None:
+    def _check_spliceable(self, name: str, point: HookPoint, expected: int | None) -> None:
         if not isinstance(point, ValueHook):
             raise ValueError(f"{name!r} is not a value of the model; an SAE splices into one of model.support()")
         value = point.value
@@ -204,7 +274,6 @@ class SAEMixin:
                              f"{' (read-only)' if value.read_only else ''}: it reads and writes a value laid out "
                              "[batch seq ...] (in TransformerLens's layout)")
         sizes = {d: getattr(self.cfg, d, None) for d in dims[2:]}
-        expected = sae_width(sae)
         if expected is not None and all(isinstance(s, int) for s in sizes.values()):
             width = math.prod(sizes.values())
             if width != expected:
@@ -226,17 +295,17 @@ class SAEMixin:
 
     @contextmanager
     def saes(self, saes=(), reset_saes_end: bool = True, use_error_term: bool | None = None):
-        """SAEs spliced for the block: an SAE, a list of them, or {hook name: SAE} for modules that
-        name no hook. On exit (with `reset_saes_end`) the values are as they were, SAEs that were
+        """SAEs spliced for the block: an SAE, a list of them (a TranscoderSet: each of its transcoders),
+        or {hook name: SAE} for modules that name no hook. On exit (with `reset_saes_end`) the values are as they were, SAEs that were
         there before included."""
         if isinstance(saes, Mapping):
             pairs = list(saes.items())
         else:
-            pairs = [(None, sae) for sae in ([saes] if isinstance(saes, nn.Module) else saes)]
+            pairs = [(None, sae) for sae in _spliced_modules(saes)]
         previous: list[tuple[ValueHook, _Splice | None]] = []
         try:
             for name, sae in pairs:
-                point = self._splice_point(sae, name)
+                point, _ = self._splice_point(sae, name)
                 previous.append((point, point.splice))
                 self.add_sae(sae, name, use_error_term)
             yield self

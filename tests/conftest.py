@@ -165,7 +165,7 @@ def tl_family(request):
     return request.param
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tl_model_factory():
     return make_tl_family_model
 

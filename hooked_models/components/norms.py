@@ -10,6 +10,16 @@ from hooked_models.hooks import HookedModule, ValueHook
 from hooked_models.vocabulary import Value
 
 
+def value_of_gradient_of(value: Tensor, gradient_of: Tensor) -> Tensor:
+    """`value`'s bits with `gradient_of`'s gradient (the two equal in value where it matters).
+
+    value + (g - g.detach()) adds an exact zero forward, so a norm whose scale a hook wrote with
+    an equal value (a detached copy) keeps the reference's output bit for bit, yet backpropagates
+    through the written scale, as a constant if it was detached.
+    """
+    return value.detach() + (gradient_of - gradient_of.detach())
+
+
 class RMSNorm(HookedModule):
     """x / sqrt(mean(x²) + eps) · weight, computed in float32 and cast back before the weight.
 
@@ -17,7 +27,9 @@ class RMSNorm(HookedModule):
     cast, then the weight), so the output is transformers' bit for bit in every dtype, hooked or
     not: a hook that reads the scale leaves the numbers as they were. Where a hook writes the scale,
     the normalized value is x / (the written scale), TransformerLens's meaning and arithmetic of
-    `hook_scale`, exactly.
+    `hook_scale`, exactly. Any write is honoured, even of an equal value: the gradient then flows
+    through x / (the written scale), so `scale.detach()` freezes the scale (TransformerLens's idiom
+    for attribution) while the forward keeps the reference's bits.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -36,8 +48,11 @@ class RMSNorm(HookedModule):
             # changes); where it wrote one, TransformerLens's: x / scale. The hook gets its own
             # tensor, so an in-place write counts too.
             scale = variance.sqrt()
-            written = self.norm_scale(scale.clone())
-            normalized = torch.where(written == scale, normalized, x32 / written)
+            given = scale.clone()
+            written = self.norm_scale(given)
+            if written is not given or not torch.equal(given, scale):
+                divided = x32 / written
+                normalized = value_of_gradient_of(torch.where(written == scale, normalized, divided), divided)
         return self.weight * self.norm_normalized(normalized.to(x.dtype))
 
     def forward_unhooked(self, x: Float[Tensor, "*batch hidden_size"]) -> Float[Tensor, "*batch hidden_size"]:
@@ -63,6 +78,8 @@ class LayerNorm(HookedModule):
     what a hook writes is carried into the output with TransformerLens's arithmetic: wherever the
     normalized value differs from the computed one (written, edited in place, or divided by a
     written scale), the output is written · weight + bias; elsewhere it stays the fused output.
+    Once a hook returns a tensor of its own, even one of equal value (`scale.detach()`), the
+    gradient is that of written · weight + bias everywhere: a detached scale is a frozen one.
     """
 
     def __init__(self, size: int, eps: float, normalized: Value | str = "norm_normalized"):
@@ -82,9 +99,15 @@ class LayerNorm(HookedModule):
         scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
         computed = (centred / scale).to(x.dtype)
         # The hooks get tensors of their own, so an in-place write is a write too.
-        given = (centred / self.norm_scale(scale.clone())).to(x.dtype)
+        given_scale = scale.clone()
+        written_scale = self.norm_scale(given_scale)
+        given = (centred / written_scale).to(x.dtype)
         written = self.norm_normalized(given)
-        return torch.where(written == computed, output, written * self.weight + self.bias)
+        replaced = written * self.weight + self.bias
+        output = torch.where(written == computed, output, replaced)
+        if written is not given or written_scale is not given_scale or not torch.equal(given_scale, scale):
+            output = value_of_gradient_of(output, replaced)
+        return output
 
     def forward_unhooked(self, x: Float[Tensor, "*batch features"]) -> Float[Tensor, "*batch features"]:
         """The same arithmetic with no hook firing (per-head copies of the stream go through it)."""

@@ -74,3 +74,106 @@ def test_norms_read_change_no_bit_and_writes_take_effect(dtype):
                 assert torch.equal(ours(x), torch.zeros_like(x) * ours.weight + bias)  # a replacement, exactly
             finally:
                 ours.norm_normalized.remove_hooks()
+
+
+# ------------------------------------------------------------------------------------------ frozen
+def _detach(t, hook):
+    return t.detach()
+
+
+@pytest.mark.parametrize("norm_class", [RMSNorm, LayerNorm])
+def test_a_detached_scale_of_equal_value_freezes_the_gradient_and_keeps_the_bits(norm_class):
+    """TransformerLens's idiom for attribution, a hook returning `scale.detach()`, is honoured although
+    the value is unchanged: the output keeps its bits and the gradient is the analytic one with the scale
+    a constant, weight / scale (LayerNorm: after the centring, which does not depend on the scale)."""
+    torch.manual_seed(0)
+    norm = norm_class(16, 1e-5)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape))
+    x = (torch.randn(2, 5, 16) * 3 + 1).requires_grad_()
+    upstream = torch.randn(2, 5, 16)
+    plain = norm(x)
+    free = torch.autograd.grad((plain * upstream).sum(), x)[0]
+    norm.norm_scale.add_hook(_detach)
+    try:
+        frozen_out = norm(x)
+        frozen = torch.autograd.grad((frozen_out * upstream).sum(), x)[0]
+    finally:
+        norm.norm_scale.remove_hooks()
+    assert torch.equal(frozen_out, plain)
+    x32 = x.detach()
+    centred = x32 - x32.mean(-1, keepdim=True) if norm_class is LayerNorm else x32
+    scale = (centred.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    expected = upstream * norm.weight.detach() / scale
+    if norm_class is LayerNorm:
+        expected = expected - expected.mean(-1, keepdim=True)
+    torch.testing.assert_close(frozen, expected, rtol=1e-6, atol=1e-6)
+    assert (free - frozen).abs().max() > 1e-2  # the unfrozen gradient is another thing
+
+
+def _constant_scale_forward(norm):
+    """The norm as a plain function with its scale a constant (computed from x, then detached): an
+    oracle for the frozen gradient that goes through no hook."""
+    def forward(x):
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True) if isinstance(norm, LayerNorm) else x32
+        scale = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt().detach()
+        out = (centred / scale).to(x.dtype) * norm.weight
+        return out + norm.bias if isinstance(norm, LayerNorm) else out
+    return forward
+
+
+def _input_gradient(model, tokens, upstream, fwd_hooks=()):
+    """Logits, and the gradient of logits · upstream with respect to the first layer's input."""
+    grads = {}
+
+    def leaf(t, hook):
+        grads["x"] = t.detach().requires_grad_()
+        return grads["x"]
+
+    logits = model.run_with_hooks(tokens, fwd_hooks=[("layers.0.layer_input", leaf), *fwd_hooks])
+    return logits, torch.autograd.grad((logits * upstream).sum(), grads["x"])[0]
+
+
+def test_every_scale_frozen_by_a_detach_gives_the_constant_scale_gradient(tl_model):
+    """Every norm of the model (alpha-er: its bottleneck norms and the lm_head's too) frozen by a hook on
+    its scale: the logits stay bit for bit, and the gradient equals the one taken with every norm
+    replaced by a hook-free function of constant scale."""
+    model = tl_model
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(2, 8, model.cfg.d_vocab, generator=torch.Generator().manual_seed(2))
+    plain_logits, free = _input_gradient(model, tokens, upstream)
+    frozen_hooks = [(lambda name: name.endswith("norm_scale"), _detach)]
+    logits, frozen = _input_gradient(model, tokens, upstream, frozen_hooks)
+    assert torch.equal(logits, plain_logits)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))]
+    assert len(norms) >= 2 * model.cfg.n_layers + 1
+    try:
+        for norm in norms:
+            norm.forward = _constant_scale_forward(norm)
+        oracle_logits, oracle = _input_gradient(model, tokens, upstream)
+    finally:
+        for norm in norms:
+            del norm.forward
+    torch.testing.assert_close(oracle_logits, logits, rtol=1e-5, atol=1e-5)
+    # float32 rounding: the model divides by the scale where the oracle does too, but sums in its own order
+    assert (frozen - oracle).abs().max() <= 1e-5 * oracle.abs().max()
+    assert (free - frozen).abs().max() > 1e-2 * frozen.abs().max()
+
+
+def test_attention_patterns_frozen_by_a_detach_give_the_constant_pattern_gradient(tl_model):
+    """A hook returning `pattern.detach()` freezes the patterns: the logits stay bit for bit and the
+    gradient equals the one taken with each pattern written as a constant (the clean run's, cached)."""
+    model = tl_model
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(2, 8, model.cfg.d_vocab, generator=torch.Generator().manual_seed(2))
+    is_pattern = lambda name: name.endswith("attention_probabilities")  # noqa: E731
+    with torch.no_grad():
+        plain_logits, cache = model.run_with_cache(tokens, names_filter=is_pattern)
+    _, free = _input_gradient(model, tokens, upstream, [(is_pattern, lambda t, hook: None)])
+    logits, frozen = _input_gradient(model, tokens, upstream, [(is_pattern, _detach)])
+    assert torch.equal(logits, plain_logits)
+    _, oracle = _input_gradient(model, tokens, upstream, [(is_pattern, lambda t, hook: cache[hook.name].clone())])
+    torch.testing.assert_close(frozen, oracle, rtol=1e-6, atol=1e-6)
+    assert (free - frozen).abs().max() > 1e-2 * frozen.abs().max()
