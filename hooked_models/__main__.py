@@ -122,8 +122,9 @@ def _explore_command(commands) -> None:
     explore.add_argument("--data", nargs="+", default=[], metavar="DIR",
                          help="directories the page may read harvests and graph files from")
     explore.add_argument("--sae", nargs="+", default=[], metavar="DIR",
-                         help="SAEs for the features view: SAELens directories (cfg.json and "
-                              "sae_weights.safetensors; needs sae_lens installed)")
+                         help="SAEs and transcoders for the features view: transcoder sets in circuit-tracer's "
+                              "layout (config.yaml; 'embedded': the package's), SAELens directories (cfg.json; "
+                              "needs sae_lens)")
     explore.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     explore.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
 
@@ -134,7 +135,7 @@ def _explore(args) -> int:
     from hooked_models.families import load_model
 
     model = load_model(args.model, args.family, args.dtype)
-    saes = {Path(path).name: load_sae(path) for path in args.sae}
+    saes = {Path(path).name: load_sae(path, model) for path in args.sae}
     print(f"explorer on http://{args.host}:{args.port} ({type(model).__name__}); Ctrl-C stops it")
     serve(model, args.data, saes, host=args.host, port=args.port)
     return 0

@@ -31,7 +31,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
 from hooked_models import circuits, features, patching
+from hooked_models.attribution import AttributionGraph
 from hooked_models.explorer.graph_file import GraphFile
+from hooked_models.transcoders import TranscoderSet
 from hooked_models.saes import sae_hook_name
 
 STATIC = Path(__file__).parent / "static"
@@ -142,7 +144,7 @@ class Explorer:
         for root in self.roots:
             if not root.is_dir():
                 raise ValueError(f"data directory {root} does not exist or is not a directory")
-        self.saes = dict(saes or {})
+        self.saes = _per_layer(saes or {})
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="explorer-job")
         self.jobs: dict[str, Job] = {}
@@ -337,7 +339,10 @@ class Explorer:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()[:5])
             raise ValueError(f"{request.path!r} is not an attribution graph in circuit-tracer's schema: "
                              f"{problems}") from None
-        return graph.checked().model_dump()
+        graph = graph.checked().model_dump()
+        if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings come along
+            _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
+        return graph
 
     def dashboard(self, request: FeatureRequest) -> dict:
         sae, harvest = self.sae(request.sae), self.path(request.harvest)
@@ -364,11 +369,51 @@ class Explorer:
         return self.submit("search", work)
 
 
-def load_sae(path: str | Path) -> nn.Module:
-    """An SAE SAELens saved (a directory with cfg.json and sae_weights.safetensors), loaded by SAELens."""
+def _per_layer(saes: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """The features view's modules by name: a TranscoderSet offers each layer's transcoder, as "name[layer]"."""
+    modules = {}
+    for name, module in saes.items():
+        if isinstance(module, TranscoderSet):
+            modules.update({f"{name}[{tc.layer}]": tc for tc in module})
+        elif hasattr(module, "encode") and hasattr(module, "W_dec") and module.W_dec.ndim == 2:
+            modules[name] = module
+        else:
+            raise ValueError(f"{name!r} is not an SAE or a transcoder set (a module with encode and a "
+                             f"W_dec [d_sae d_out]; a cross-layer transcoder's decoders are not offered)")
+    return modules
+
+
+def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
+    """Give each link through attention its per-head split, `heads`: {"layers.L.self_attn.head.h": part, ...,
+    "layers.L.self_attn (skipped)": the part that skips L's attention}, for each attention layer L the edge
+    crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
+    if graph.head_loadings is None:
+        return
+    index = {graph._json_node(i)["node_id"]: i for i in range(graph.n_nodes)}
+    for link in links:
+        target, source = index[link["target"]], index[link["source"]]
+        loadings, skips = graph.head_loadings[target, source], graph.attention_skips[target, source]
+        heads = {}
+        for layer in range(loadings.shape[0]):
+            if bool(loadings[layer].any()):
+                for head, part in enumerate(loadings[layer].tolist()):
+                    heads[f"layers.{layer}.self_attn.head.{head}"] = part
+                heads[f"layers.{layer}.self_attn (skipped)"] = float(skips[layer])
+        if heads:
+            link["heads"] = heads
+
+
+def load_sae(path: str | Path, model) -> nn.Module:
+    """The SAE or transcoders saved at `path`: a transcoder set in circuit-tracer's layout (config.yaml;
+    `transcoders.load_transcoders`, "embedded" for the package's own), or an SAE SAELens saved (cfg.json and
+    sae_weights.safetensors), loaded by SAELens."""
+    if str(path) == "embedded" or (Path(path) / "config.yaml").is_file():
+        from hooked_models.transcoders import load_transcoders
+
+        return load_transcoders(path, model)
     path = Path(path)
     if not (path / "cfg.json").is_file():
-        raise ValueError(f"{path} is not a SAELens SAE directory (it has no cfg.json)")
+        raise ValueError(f"{path} is neither a transcoder set (config.yaml) nor a SAELens SAE directory (cfg.json)")
     try:
         from sae_lens import SAE
     except ImportError:

@@ -83,9 +83,32 @@ def sae(arcee):
 
 
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory, arcee):
-    """A directory the server may read: a harvest (`acts`), a graph file, and two bad ones; beside it, outside
-    it, a secret file and a symlink inside pointing at it."""
+def transcoders(arcee):
+    """Per-layer ReLU transcoders of random, non-trivial weights for the embedded Arcee."""
+    from hooked_models.transcoders import Transcoder, TranscoderSet
+
+    g = torch.Generator().manual_seed(0)
+    layers = [Transcoder(arcee.cfg.hidden_size, 8, layer=layer) for layer in range(arcee.cfg.num_layers)]
+    with torch.no_grad():
+        for tc in layers:
+            for p in tc.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return TranscoderSet(layers, model=arcee)
+
+
+@pytest.fixture(scope="session")
+def real_graph(arcee, transcoders):
+    """An attribution graph of PROMPT through the transcoders, with per-head loadings."""
+    from hooked_models.attribution import attribute
+
+    return attribute(arcee, PROMPT, transcoders, batch_size=256)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, arcee, real_graph):
+    """A directory the server may read: a harvest (`acts`) of the residual stream after layer 1 and of each
+    MLP's input (the transcoders'), a graph file built by hand, one `attribute` wrote, and two bad ones;
+    beside it, outside it, a secret file and a symlink inside pointing at it."""
     import datasets
 
     from hooked_models import corpus
@@ -95,9 +118,10 @@ def data_dir(tmp_path_factory, arcee):
     data = root / "data"
     data.mkdir()
     datasets.Dataset.from_dict({"text": make_ioi_prompts(64, 0).clean_text}).save_to_disk(str(root / "text"))
-    corpus.harvest(arcee, str(root / "text"), ["layers.1.layer_output"], str(data / "acts"), context_size=16,
-                   progress=False)
+    corpus.harvest(arcee, str(root / "text"), ["layers.1.layer_output", "layers.0.mlp_input", "layers.1.mlp_input"],
+                   str(data / "acts"), context_size=16, progress=False)
     (data / "graph.json").write_text(json.dumps(graph_file(arcee.to_str_tokens(PROMPT))))
+    real_graph.to_json(data / "real_graph.json")
     (data / "broken.json").write_text('{"metadata": {"slug": ')
     (data / "not_a_graph.json").write_text(json.dumps({"metadata": {"slug": "x"}, "nodes": [], "links": []}))
     (root / "secret.txt").write_text("outside the data directory")

@@ -36,9 +36,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(arcee, data_dir, sae):
+def base_url(arcee, data_dir, sae, transcoders):
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(arcee, [data_dir], {"resid 1": sae}), host="127.0.0.1",
+    app = create_app(arcee, [data_dir], {"resid 1": sae, "tc": transcoders})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -234,6 +235,31 @@ def test_graph_view(page, screenshots):
     page.click("#graph-dashboard")  # the layer-1 feature's dashboard, from the SAE on layer 1
     page.wait_for_selector("#graph-board h3")
     assert "feature 3" in page.inner_text("#graph-board h3")
+
+
+def test_graph_view_on_a_graph_attribute_wrote(page, screenshots, data_dir):
+    import json
+
+    written = json.loads((data_dir / "real_graph.json").read_text())
+    view(page, "graph")
+    page.fill("#graph-path", "real_graph.json")
+    page.click("#graph-form button")
+    page.wait_for_selector("#graph-svg .node")
+    page.locator("#graph-threshold").fill("1")
+    assert int(page.locator("#graph-count").get_attribute("data-nodes")) == len(written["nodes"])
+    # the logit node with the most inputs: its inputs are listed, one with per-head loadings shown on click
+    targets = [link["target"] for link in written["links"]]
+    logit = max((n for n in written["nodes"] if n["feature_type"] == "logit"), key=lambda n: targets.count(n["node_id"]))
+    page.locator(f"#graph-svg .node[data-id='{logit['node_id']}']").dispatch_event("click")
+    rows = page.locator("#graph-detail table.source tr.link")
+    assert rows.count() == min(10, targets.count(logit["node_id"])) > 0
+    feature = next(n for n in written["nodes"] if n["feature_type"] == "cross layer transcoder")
+    page.locator(f"#graph-svg .node[data-id='{feature['node_id']}']").dispatch_event("click")
+    page.click("#graph-dashboard")
+    page.wait_for_selector("#graph-board h3")
+    assert f"tc[{feature['layer']}]: feature {feature['node_id'].split('_')[1]}" in page.inner_text("#graph-board h3")
+    page.locator("#graph-detail table.target tr.link").first.click()
+    assert "→" in page.inner_text("#graph-heads")
     shoot(page, screenshots, "graph", "#graph-svg")
 
 

@@ -21,8 +21,8 @@ PAIR = {"clean": PROMPT, "corrupted": CORRUPTED, "answer": " Mary", "wrong": " J
 
 
 @pytest.fixture(scope="module")
-def client(arcee, data_dir, sae):
-    return TestClient(create_app(arcee, [data_dir], {"resid 1": sae}))
+def client(arcee, data_dir, sae, transcoders):
+    return TestClient(create_app(arcee, [data_dir], {"resid 1": sae, "tc": transcoders}))
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,10 @@ def test_model_description(client, arcee):
     described = client.get("/api/model").json()
     assert (described["num_layers"], described["num_heads"], described["num_kv_heads"]) == (2, 4, 2)
     assert "layer_input" in described["values"] and "attention_head_outputs" in described["values"]
-    assert described["saes"] == [{"name": "resid 1", "hook": "blocks.1.hook_resid_post", "d_sae": 32, "d_out": 64,
-                                  "layer": 1}]
+    assert described["saes"] == [
+        {"name": "resid 1", "hook": "blocks.1.hook_resid_post", "d_sae": 32, "d_out": 64, "layer": 1},
+        {"name": "tc[0]", "hook": "layers.0.mlp_input", "d_sae": 8, "d_out": 64, "layer": 0},   # a TranscoderSet:
+        {"name": "tc[1]", "hook": "layers.1.mlp_input", "d_sae": 8, "d_out": 64, "layer": 1}]   # each layer's
 
 
 @pytest.mark.parametrize("family", ["arcee", "alpha_er"])
@@ -149,6 +151,33 @@ def test_graph_file_opens_as_written(client, data_dir, arcee):
     assert [n["node_id"] for n in opened["nodes"]] == [n["node_id"] for n in written["nodes"]]
     assert opened["links"] == written["links"]  # per-head loadings travel with their link
     assert opened["qParams"]["pinnedIds"] == written["qParams"]["pinnedIds"]
+
+
+def test_a_graph_attribute_wrote_opens_with_its_head_loadings(client, data_dir, real_graph, transcoders, arcee):
+    written = json.loads((data_dir / "real_graph.json").read_text())
+    opened = client.post("/api/graph", json={"path": "real_graph.json"}).json()
+    assert opened["nodes"] == [{**n} for n in written["nodes"]]
+    assert [{k: v for k, v in link.items() if k != "heads"} for link in opened["links"]] == written["links"]
+    # Each link's per-head split: for each attention layer it crosses, the heads' parts plus the part that
+    # skips that layer are the link's weight (what attribute() guarantees, so a link matched to the wrong
+    # pair of nodes fails here).
+    names = {n["node_id"]: n for n in written["nodes"]}
+    through = [link for link in opened["links"] if "heads" in link]
+    assert through, "no link of the graph passes through attention"
+    for link in through:
+        for layer in {int(k.split(".")[1]) for k in link["heads"]}:
+            parts = [v for k, v in link["heads"].items() if k.startswith(f"layers.{layer}.")]
+            assert sum(parts) == pytest.approx(link["weight"], rel=1e-5, abs=1e-6)
+        source, target = names[link["source"]], names[link["target"]]
+        assert source["feature_type"] != "logit" and target["feature_type"] != "embedding"
+    # the transcoders' features have dashboards: the node's layer and index name a feature of tc[layer]
+    feature = next(n for n in written["nodes"] if n["feature_type"] == "cross layer transcoder")
+    layer, index = int(feature["layer"]), int(feature["node_id"].split("_")[1])
+    status = wait(client, client.post("/api/features/dashboard",
+                                      json={"harvest": "acts", "sae": f"tc[{layer}]", "feature": index}).json())
+    board = features.dashboard(arcee, data_dir / "acts", transcoders[layer], index)
+    assert status["result"]["max_activation"] == board.max_activation and status["result"]["name"] == \
+        f"layers.{layer}.mlp_input"
 
 
 # ---------------------------------------------------------------------------------------------- refusals
