@@ -267,6 +267,7 @@ function circuitBox(node, sizes, width, height) {
 }
 
 const PORT_COLOURS = {q: "#2563eb", k: "#16a34a", v: "#9333ea", mlp: "#ea580c", logits: "#111827"};
+const PORT_OFFSETS = {k: -14, v: 14};
 
 function drawCircuit() {
   const {edges, sizes, clean_metric, corrupted_metric} = CIRCUIT.result;
@@ -287,7 +288,8 @@ function drawCircuit() {
   for (const edge of shown) {
     const a = box(edge.writer), b = box(edge.reader);
     const port = edge.reader === "logits" ? "logits" : edge.reader.includes(".mlp") ? "mlp" : edge.reader.slice(-1);
-    const d = `M${a.x},${a.y - 8} C${a.x},${(a.y + b.y) / 2} ${b.x},${(a.y + b.y) / 2} ${b.x},${b.y + 8}`;
+    const x = b.x + (PORT_OFFSETS[port] || 0);  // a key/value head's k and v ports side by side
+    const d = `M${a.x},${a.y - 8} C${a.x},${(a.y + b.y) / 2} ${x},${(a.y + b.y) / 2} ${x},${b.y + 8}`;
     const against = edge.score * (corrupted_metric - clean_metric) < 0;
     svg.append(svgEl("path", {d, class: "edge", stroke: PORT_COLOURS[port] || "#555",
                               "stroke-width": 0.6 + 6 * Math.abs(edge.score) / top, "stroke-opacity": 0.75,
@@ -298,6 +300,11 @@ function drawCircuit() {
     hit.onclick = handle(() => patchEdge(edge));
     svg.append(hit);
   }
+  Object.entries(PORT_COLOURS).forEach(([port, colour], i) => {  // the legend: what each colour enters
+    const label = svgEl("text", {x: 10, y: 16 + 13 * i, fill: colour, style: `fill:${colour}`});
+    label.textContent = `→ ${port}`;
+    svg.append(label);
+  });
   for (const b of boxes.values()) {
     svg.append(svgEl("rect", {x: b.x - 26, y: b.y - 8, width: 52, height: 16, rx: 3, fill: "#fff", stroke: "#666"}));
     const text = svgEl("text", {x: b.x, y: b.y + 3.5, "text-anchor": "middle"});

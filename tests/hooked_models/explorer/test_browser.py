@@ -35,17 +35,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def base_url(arcee, data_dir, sae, transcoders):
+def _serve(app):
+    """The app on a free port of 127.0.0.1, in a thread: (url, server)."""
     port = _free_port()
-    app = create_app(arcee, [data_dir], {"resid 1": sae, "tc": transcoders})
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+@pytest.fixture(scope="module")
+def base_url(arcee, data_dir, sae, transcoders):
+    url, server, thread = _serve(create_app(arcee, [data_dir], {"resid 1": sae, "tc": transcoders}))
+    yield url
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def alpha_er_url(alpha_er):
+    url, server, thread = _serve(create_app(alpha_er))
+    yield url
     server.should_exit = True
     thread.join(10)
 
@@ -81,10 +93,19 @@ def expect_refused(errors: list[str], *codes: int) -> None:
 @pytest.fixture
 def page(browser, base_url, errors):
     """The explorer's page, opened; after the test, no console error and no page error may have occurred."""
+    yield from _page(browser, base_url, errors)
+
+
+@pytest.fixture
+def alpha_er_page(browser, alpha_er_url, errors):
+    yield from _page(browser, alpha_er_url, errors)
+
+
+def _page(browser, url: str, errors: list[str]):
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
     page.on("pageerror", lambda error: errors.append(str(error)))
-    page.goto(base_url)
+    page.goto(url)
     page.wait_for_selector("#prompt-lens .heatmaplayer")
     yield page
     assert errors == []
@@ -138,6 +159,22 @@ def test_attention_view(page, screenshots, arcee):
     shown = [float(t) for t in page.locator("#attention-from .token").evaluate_all("s => s.map(x => x.title)")]
     assert shown == pytest.approx(pattern[15].tolist(), abs=5e-5)  # titles print 4 decimals
     shoot(page, screenshots, "attention", "#attention-plot")
+
+
+def test_attention_view_on_alpha_er(alpha_er_page, alpha_er):
+    page = alpha_er_page
+    view(page, "attention")
+    page.click("#attention-form button")
+    page.wait_for_selector("#attention-experts .token")
+    assert "soft-capped, 30·tanh(s/30)" in page.inner_text("#attention-note")
+    _, cache = alpha_er.run_with_cache(PROMPT)
+    experts = cache["layers.0.mlp.mlp_expert_index"][0].tolist()
+    shown = page.locator("#attention-experts .token").evaluate_all("s => s.map(x => x.title)")
+    assert shown == [f"expert {e}" for e in experts] and experts == [i // 4 for i in range(16)]
+    page.select_option("#attention-kind", "raw_scores")  # the scores before the cap, of the chosen head
+    page.click("#head-1-2")
+    page.wait_for_function("document.querySelector('#attention-plot .gtitle').textContent.includes('before the soft cap')")
+    assert page.locator("#attention-heads .kv-group").count() == 8  # no GQA: a key/value head per head
 
 
 def test_patching_view(page, screenshots, arcee):
