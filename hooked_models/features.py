@@ -80,7 +80,8 @@ def _column(model, harvest, sae: nn.Module, name: str | None) -> str:
     return standard
 
 
-def _open(path) -> "datasets.Dataset":  # noqa: F821
+def _open(path):
+    """The harvest at `path` as a `datasets.Dataset` (a ValueError if it is not one)."""
     import datasets
 
     if not (Path(path) / "manifest.json").is_file():

@@ -7,7 +7,8 @@ import torch
 
 from hooked_models import features
 
-from .explorer.conftest import ReluSAE, alpha_er, arcee, data_dir, real_graph, sae, transcoders  # noqa: F401 (fixtures)
+# The explorer tests' data (a harvest of the embedded Arcee, a random SAE), shared by importing its fixtures.
+from .explorer.conftest import ReluSAE, alpha_er, arcee, data_dir, real_graph, sae, transcoders  # noqa: F401
 
 
 def _everything(data_dir, sae, column="layers.1.layer_output"):

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 playwright = pytest.importorskip("playwright.sync_api")

@@ -234,6 +234,26 @@ def test_a_failing_job_reports_its_message(arcee, data_dir):
     assert other.get("/api/model").status_code == 200
 
 
+def test_a_running_job_does_not_block_the_server(client):
+    # A job holding the model (here: waiting on an event) leaves every route that needs no model answering,
+    # and its status says it runs; once released, it finishes.
+    import threading
+
+    release = threading.Event()
+    explorer = client.app.state.explorer
+    job = explorer.submit("wait", lambda job: release.wait(30) and "released")
+    for _ in range(100):
+        if client.get(f"/api/jobs/{job['job']}").json()["state"] == "running":
+            break
+        time.sleep(0.02)
+    assert client.get(f"/api/jobs/{job['job']}").json()["state"] == "running"
+    assert client.get("/api/model").status_code == 200 and client.get("/api/files").status_code == 200
+    assert client.post("/api/graph", json={"path": "graph.json"}).status_code == 200
+    assert not explorer.lock.acquire(blocking=False)  # the model is the job's meanwhile
+    release.set()
+    assert wait(client, job)["result"] == "released"
+
+
 def test_the_command_line_parses_explore():
     from hooked_models.__main__ import build_parser
 
