@@ -12,7 +12,8 @@ async function api(path, body) {
   const options = body === undefined ? {} :
     {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)};
   const response = await fetch(path, options);
-  const data = await response.json();
+  // a crash outside our handlers answers plain text, not JSON: its status is the message then
+  const data = await response.json().catch(() => ({error: `${response.status} ${response.statusText}`}));
   if (!response.ok) {
     // our handlers answer {"error": message}; FastAPI's own request validation answers {"detail": [...]}
     const detail = Array.isArray(data.detail) ? data.detail.map((d) => `${d.loc.join(".")}: ${d.msg}`).join("; ") : data.detail;
