@@ -115,7 +115,8 @@ class _Splice:
         self._own_names = {n: p.name for n, p in self.own.items()}
 
     def __call__(self, x: Tensor) -> Tensor:
-        target = self._to_sae(x, self.point, sae_width(self.sae) if self.input_point is None else sae_out_width(self.sae))
+        width = sae_width(self.sae) if self.input_point is None else sae_out_width(self.sae)
+        target = self._to_sae(x, self.point, width)
         if self.input_point is None:
             sae_in = target
         else:
@@ -296,8 +297,8 @@ class SAEMixin:
     @contextmanager
     def saes(self, saes=(), reset_saes_end: bool = True, use_error_term: bool | None = None):
         """SAEs spliced for the block: an SAE, a list of them (a TranscoderSet: each of its transcoders),
-        or {hook name: SAE} for modules that name no hook. On exit (with `reset_saes_end`) the values are as they were, SAEs that were
-        there before included."""
+        or {hook name: SAE} for modules that name no hook. On exit (with `reset_saes_end`) the values are
+        as they were, SAEs that were there before included."""
         if isinstance(saes, Mapping):
             pairs = list(saes.items())
         else:

@@ -177,7 +177,7 @@ class ModelIdentity:
         for field, mine in asdict(self).items():
             theirs = getattr(other, field)
             if mine != theirs:
-                raise ValueError(f"{what} were trained for a {self.family} model with hidden_size="
+                raise ValueError(f"{what} were trained for the {self.family} model with hidden_size="
                                  f"{self.hidden_size}, num_layers={self.num_layers}; this model has "
                                  f"{field}={theirs!r} (expected {mine!r})")
 
@@ -762,24 +762,28 @@ def _resolve_path(path: str | os.PathLike, model) -> Path:
 
 
 def init_transcoder_(tc: Transcoder | CrossLayerTranscoder, seed: int = 0, threshold: float = 0.0) -> None:
-    """Random weights for training or tests: encoder and decoder columns of unit norm (the decoder
-    the encoder's transpose, as SAELens initializes), biases zero, skip zero, JumpReLU thresholds
-    `threshold`."""
+    """Random weights for training or tests: decoder rows of unit norm, the encoder their transpose
+    (as SAELens initializes; scaled normal where d_in != d_out), biases zero, skip zero, JumpReLU
+    thresholds `threshold`. A cross-layer decoder is split evenly over the layers it writes."""
     generator = torch.Generator().manual_seed(seed)
+
+    def pair() -> tuple[Tensor, Tensor]:
+        w = torch.randn(tc.d_transcoder, tc.d_out, generator=generator)
+        w = w / w.norm(dim=-1, keepdim=True)
+        if tc.d_in == tc.d_out:
+            return w.T, w
+        return torch.randn(tc.d_in, tc.d_transcoder, generator=generator) / math.sqrt(tc.d_in), w
+
     with torch.no_grad():
         if isinstance(tc, Transcoder):
-            w = torch.randn(tc.d_transcoder, tc.d_out, generator=generator)
-            w = w / w.norm(dim=-1, keepdim=True)
-            tc.W_dec.copy_(w)
-            tc.W_enc.copy_(w.T if tc.d_in == tc.d_out else torch.randn(tc.d_in, tc.d_transcoder,
-                                                                        generator=generator) / math.sqrt(tc.d_in))
+            enc, dec = pair()
+            tc.W_enc.copy_(enc)
+            tc.W_dec.copy_(dec)
         else:
             for l in range(tc.n_layers):
-                w = torch.randn(tc.d_transcoder, tc.d_out, generator=generator)
-                w = w / w.norm(dim=-1, keepdim=True)
-                tc.W_enc[l].copy_(w.T if tc.d_in == tc.d_out else torch.randn(tc.d_in, tc.d_transcoder,
-                                                                               generator=generator) / math.sqrt(tc.d_in))
-                tc.W_dec[l].copy_(w[:, None, :].expand(-1, tc.n_layers - l, -1) / (tc.n_layers - l))
+                enc, dec = pair()
+                tc.W_enc[l].copy_(enc)
+                tc.W_dec[l].copy_(dec[:, None, :].expand(-1, tc.n_layers - l, -1) / (tc.n_layers - l))
         for name in ("b_enc", "b_dec", "W_skip"):
             if getattr(tc, name, None) is not None:
                 getattr(tc, name).zero_()
@@ -817,7 +821,8 @@ class TrainingConfig:
         for name in ("lr", "sparsity", "threshold", "bandwidth"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0 or (name in ("lr", "bandwidth") and value == 0):
-                raise ValueError(f"{name}={value!r} must be a {'positive' if name in ('lr', 'bandwidth') else 'non-negative'} number")
+                kind = "positive" if name in ("lr", "bandwidth") else "non-negative"
+                raise ValueError(f"{name}={value!r} must be a {kind} number")
 
 
 _FAMILIES_BY_CLASS = {"HookedArcee": "arcee", "HookedAlphaEr": "alpha_er"}
@@ -858,7 +863,9 @@ class HarvestReader:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         index = torch.randint(0, self.rows, (rows,), generator=generator).sort().values.tolist()
         data = self.dataset[index]
-        stack = lambda names: torch.stack([torch.from_numpy(data[n]).reshape(-1, data[n].shape[-1]) for n in names])  # noqa: E731
+        def stack(names):  # [layer tokens hidden_size]
+            return torch.stack([torch.from_numpy(data[n]).reshape(-1, data[n].shape[-1]) for n in names])
+
         return stack(self.names[0::2]), stack(self.names[1::2])
 
 

@@ -180,3 +180,20 @@ def tiny_factories():
     """The builders of the tiny random references (transformers' Arcee, the alpha-er transcription),
     for module-scoped fixtures that build their own copies."""
     return make_hf_arcee, make_reference_alpha_er
+
+
+def randomize_transcoder_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter of a transcoder random and away from zero (biases too; JumpReLU thresholds positive)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+            if "threshold" in name:
+                p.abs_()
+    return module
+
+
+@pytest.fixture(scope="session")
+def random_transcoder_():
+    """`randomize_transcoder_` (tests cannot import conftest under importlib mode)."""
+    return randomize_transcoder_

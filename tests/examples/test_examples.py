@@ -199,3 +199,27 @@ def test_circuit_discovery_on_the_embedded_models(tmp_path, run_in_process, fami
     assert first[:3] == ["input", "->", "layers.0.self_attn.kv_head.1.v"]
     assert_png(tmp_path / "circuit.png")
     assert_png(tmp_path / "circuit_faithfulness.png")
+
+
+def check_attribution_outputs(stdout: str, out: Path, family: str) -> None:
+    import json
+
+    assert "strongest paths to it" in stdout and "replacement score" in stdout
+    top = [line for line in stdout.splitlines() if line.startswith("top logit:")][0]
+    assert "' Mary'" in top  # the indirect object
+    paths = [line for line in stdout.splitlines() if line.startswith("  0.") or line.startswith("  1.")]
+    assert paths and all(line.rstrip().endswith("(' Mary')") for line in paths)
+    graph = json.loads((out / f"attribution_graph_{family}.json").read_text())
+    kinds = {node["feature_type"] for node in graph["nodes"]}
+    assert {"embedding", "logit", "cross layer transcoder"} <= kinds and graph["links"]
+    assert_png(out / f"attribution_graph_{family}.png")
+
+
+def test_attribution_graph_with_the_shipped_transcoders(tmp_path, run_in_process):
+    stdout = run_in_process("attribution_graph.py", "--out", str(tmp_path))
+    check_attribution_outputs(stdout, tmp_path, "arcee")
+
+
+def test_attribution_graph_trains_transcoders_on_alpha_er(tmp_path, run_in_process):
+    stdout = run_in_process("attribution_graph.py", "--family", "alpha_er", "--train", "60", "--out", str(tmp_path))
+    check_attribution_outputs(stdout, tmp_path, "alpha_er")

@@ -13,17 +13,6 @@ from hooked_models.transcoders import (
 )
 
 
-def random_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Every parameter random and away from zero (biases and thresholds included)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
-            if "threshold" in name:
-                p.abs_()
-    return module
-
-
 @pytest.fixture(scope="module")
 def arcee():
     return HookedArcee.from_pretrained("embedded")
@@ -35,8 +24,8 @@ def alpha_er():
 
 
 @pytest.mark.parametrize("skip", [False, True])
-def test_relu_transcoder_is_its_formula(skip):
-    tc = random_(Transcoder(8, 32, 6, layer=1, skip=skip))
+def test_relu_transcoder_is_its_formula(skip, random_transcoder_):
+    tc = random_transcoder_(Transcoder(8, 32, 6, layer=1, skip=skip))
     x = torch.randn(3, 5, 8)
     pre = torch.einsum("bsi,if->bsf", x, tc.W_enc) + tc.b_enc
     expected = torch.einsum("bsf,fo->bso", pre.clamp(min=0), tc.W_dec) + tc.b_dec
@@ -49,8 +38,8 @@ def test_relu_transcoder_is_its_formula(skip):
     assert (tc.hook_name, tc.hook_name_out) == (tc.input_hook, tc.output_hook)
 
 
-def test_topk_keeps_the_k_largest_through_relu():
-    tc = random_(Transcoder(8, 32, activation="topk", k=5))
+def test_topk_keeps_the_k_largest_through_relu(random_transcoder_):
+    tc = random_transcoder_(Transcoder(8, 32, activation="topk", k=5))
     x = torch.randn(64, 8)
     pre, acts = tc.encode(x, apply_activation=False), tc.encode(x)
     for row_pre, row in zip(pre, acts):
@@ -61,8 +50,8 @@ def test_topk_keeps_the_k_largest_through_relu():
     assert ((acts != 0).sum(-1) <= 5).all() and ((acts != 0).sum(-1) == 5).any()
 
 
-def test_jumprelu_forward_and_straight_through_gradients():
-    tc = random_(Transcoder(8, 32, activation="jumprelu"))
+def test_jumprelu_forward_and_straight_through_gradients(random_transcoder_):
+    tc = random_transcoder_(Transcoder(8, 32, activation="jumprelu"))
     x = torch.randn(256, 8)
     pre = tc.encode(x, apply_activation=False).detach()
     acts = tc.encode(x)
@@ -88,8 +77,8 @@ def test_jumprelu_forward_and_straight_through_gradients():
     assert torch.equal(pre_req.grad, torch.zeros_like(pre))
 
 
-def test_cross_layer_transcoder_is_its_formula():
-    clt = random_(CrossLayerTranscoder(3, 8, 16, activation="relu", skip=True))
+def test_cross_layer_transcoder_is_its_formula(random_transcoder_):
+    clt = random_transcoder_(CrossLayerTranscoder(3, 8, 16, activation="relu", skip=True))
     xs = [torch.randn(2, 4, 8) for _ in range(3)]
     acts = [torch.relu(x @ clt.W_enc[l] + clt.b_enc[l]) for l, x in enumerate(xs)]
     for l in range(3):
@@ -108,8 +97,8 @@ def test_cross_layer_transcoder_is_its_formula():
         clt.decoder(2, 1)
 
 
-def test_transcoder_set_interface():
-    tcs = TranscoderSet([random_(Transcoder(8, 16, layer=l), l) for l in range(2)])
+def test_transcoder_set_interface(random_transcoder_):
+    tcs = TranscoderSet([random_transcoder_(Transcoder(8, 16, layer=l), l) for l in range(2)])
     x = torch.randn(3, 8)
     assert (tcs.n_layers, tcs.d_transcoder, len(tcs)) == (2, 16, 2)
     assert tcs.input_hook(1) == "layers.1.mlp_input" and tcs.output_hook(0) == "layers.0.mlp.mlp_output"
@@ -126,8 +115,9 @@ def test_transcoder_set_interface():
 
 
 @pytest.mark.parametrize("activation,k,skip", [("relu", None, False), ("topk", 4, True), ("jumprelu", None, True)])
-def test_transcoder_set_round_trips_circuit_tracers_layout(tmp_path, arcee, activation, k, skip):
-    tcs = TranscoderSet([random_(Transcoder(64, 32, layer=l, activation=activation, k=k, skip=skip), l)
+def test_transcoder_set_round_trips_circuit_tracers_layout(tmp_path, arcee, activation, k, skip,
+                                                          random_transcoder_):
+    tcs = TranscoderSet([random_transcoder_(Transcoder(64, 32, layer=l, activation=activation, k=k, skip=skip), l)
                          for l in range(2)], model=arcee)
     tcs.save(tmp_path)
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())
@@ -147,8 +137,8 @@ def test_transcoder_set_round_trips_circuit_tracers_layout(tmp_path, arcee, acti
     assert torch.equal(loaded[1](x), tcs[1](x))
 
 
-def test_cross_layer_transcoder_round_trips(tmp_path, alpha_er):
-    clt = random_(CrossLayerTranscoder(2, 64, 16, activation="jumprelu", skip=True, model=alpha_er))
+def test_cross_layer_transcoder_round_trips(tmp_path, alpha_er, random_transcoder_):
+    clt = random_transcoder_(CrossLayerTranscoder(2, 64, 16, activation="jumprelu", skip=True, model=alpha_er))
     clt.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "W_dec_0.safetensors", "W_dec_1.safetensors", "W_enc_0.safetensors", "W_enc_1.safetensors", "config.yaml"]
@@ -162,7 +152,7 @@ def test_cross_layer_transcoder_round_trips(tmp_path, alpha_er):
 
 def test_transcoders_for_another_model_are_refused(tmp_path, arcee, alpha_er):
     TranscoderSet([Transcoder(64, 16, layer=l) for l in range(2)], model=arcee).save(tmp_path)
-    with pytest.raises(ValueError, match="trained for a arcee model .* this model has family='alpha_er'"):
+    with pytest.raises(ValueError, match="trained for the arcee model .* this model has family='alpha_er'"):
         TranscoderSet.load(tmp_path, model=alpha_er)
     with pytest.raises(ValueError, match="3 transcoders for a model of 2 layers"):
         TranscoderSet([Transcoder(64, 16, layer=l) for l in range(3)], model=arcee)
@@ -192,9 +182,9 @@ def test_init_transcoder_gives_unit_decoder_rows():
 
 
 # ------------------------------------------------------------------------------ the replacement model
-def random_set(model, activation="relu", k=None, skip=True, d_transcoder=48):
+def random_set(model, randomize_, activation="relu", k=None, skip=True, d_transcoder=48):
     d = model.cfg.hidden_size
-    return TranscoderSet([random_(Transcoder(d, d_transcoder, layer=l, activation=activation, k=k, skip=skip), l)
+    return TranscoderSet([randomize_(Transcoder(d, d_transcoder, layer=l, activation=activation, k=k, skip=skip), l)
                           for l in range(model.cfg.num_layers)], model=model)
 
 
@@ -205,9 +195,10 @@ def tl_tokens(tl_model):
 
 
 @pytest.mark.parametrize("activation,k", [("relu", None), ("topk", 6), ("jumprelu", None)])
-def test_replacement_with_error_terms_is_the_model_bit_for_bit(tl_model, tl_tokens, activation, k):
+def test_replacement_with_error_terms_is_the_model_bit_for_bit(tl_model, tl_tokens, activation, k,
+                                                               random_transcoder_):
     model, tokens = tl_model, tl_tokens
-    tcs = random_set(model, activation, k)
+    tcs = random_set(model, random_transcoder_, activation, k)
     with torch.no_grad():
         base, base_cache = model.run_with_cache(tokens)
         logits, cache = model.run_with_cache_with_saes(tokens, saes=tcs, use_error_term=True)
@@ -226,11 +217,11 @@ def test_replacement_with_error_terms_is_the_model_bit_for_bit(tl_model, tl_toke
     assert model.acts_to_saes == {}  # the context removed them
 
 
-def test_replacement_without_error_terms_is_the_transcoders_forward(tl_model, tl_tokens):
+def test_replacement_without_error_terms_is_the_transcoders_forward(tl_model, tl_tokens, random_transcoder_):
     """Each MLP output replaced by tc(its MLP input), against plain hooks written here; an edit of the
     MLP input by a hook reaches the transcoder."""
     model, tokens = tl_model, tl_tokens
-    tcs = random_set(model)
+    tcs = random_set(model, random_transcoder_)
     shift = lambda x, hook: x + 0.25  # noqa: E731
     seen = {}
 
@@ -249,11 +240,11 @@ def test_replacement_without_error_terms_is_the_transcoders_forward(tl_model, tl
     assert not torch.equal(spliced, model(tokens))
 
 
-def test_replacement_gradients_run_through_the_transcoders_only(tl_model, tl_tokens):
+def test_replacement_gradients_run_through_the_transcoders_only(tl_model, tl_tokens, random_transcoder_):
     """With error terms the MLPs are constants: no gradient reaches their weights; the features get
     (d metric / d mlp_output) W_dec.T."""
     model, tokens = tl_model, tl_tokens
-    tcs = random_set(model)
+    tcs = random_set(model, random_transcoder_)
     grads = {}
 
     def keep(grad, hook):
@@ -275,10 +266,10 @@ def test_replacement_gradients_run_through_the_transcoders_only(tl_model, tl_tok
     model.zero_grad()
 
 
-def test_replacement_reset_restores_the_model(tl_model, tl_tokens):
+def test_replacement_reset_restores_the_model(tl_model, tl_tokens, random_transcoder_):
     model, tokens = tl_model, tl_tokens
     before, printed = model(tokens), repr(model)
-    model.add_sae(random_set(model), use_error_term=False)
+    model.add_sae(random_set(model, random_transcoder_), use_error_term=False)
     assert sorted(model.acts_to_saes) == [f"layers.{l}.mlp.mlp_output" for l in range(model.cfg.num_layers)]
     assert not torch.equal(model(tokens), before)
     model.reset_saes()
@@ -300,7 +291,8 @@ def test_bad_transcoder_splices_are_clear_errors(tl_model, tl_tokens):
 
 # -------------------------------------------------------------------------------------- training
 def mlp_names(model):
-    return [name for l in range(model.cfg.num_layers) for name in (f"layers.{l}.mlp_input", f"layers.{l}.mlp.mlp_output")]
+    return [name for l in range(model.cfg.num_layers)
+            for name in (f"layers.{l}.mlp_input", f"layers.{l}.mlp.mlp_output")]
 
 
 @pytest.fixture(scope="module", params=["arcee", "alpha_er"])
@@ -411,7 +403,8 @@ def test_a_harvest_without_the_mlp_values_is_refused(tmp_path, arcee):
     from hooked_models.embedded.task import make_ioi_prompts
     from hooked_models.transcoders import train_transcoders
 
-    corpus.harvest(arcee, make_ioi_prompts(4, 0).clean_tokens, ["layers.0.mlp_input"], tmp_path / "acts", progress=False)
+    tokens = make_ioi_prompts(4, 0).clean_tokens
+    corpus.harvest(arcee, tokens, ["layers.0.mlp_input"], tmp_path / "acts", progress=False)
     with pytest.raises(ValueError, match="lacks layers.0.mlp.mlp_output, layers.1.mlp_input"):
         train_transcoders(tmp_path / "acts")
     with pytest.raises(FileNotFoundError, match="not a corpus.harvest output"):

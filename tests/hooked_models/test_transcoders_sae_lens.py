@@ -13,26 +13,17 @@ from sae_lens import SAE  # noqa: E402
 from hooked_models.transcoders import Transcoder, TranscoderSet  # noqa: E402
 
 
-def random_(module, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
-            if "threshold" in name:
-                p.abs_()
-    return module
-
-
 KINDS = [("relu", False, "Transcoder"), ("relu", True, "SkipTranscoder"), ("jumprelu", False, "JumpReLUTranscoder"),
          ("jumprelu", True, "JumpReLUSkipTranscoder")]
 
 
 @pytest.mark.parametrize("activation,skip,cls", KINDS)
-def test_sae_lens_transcoder_is_the_same_function(tmp_path, activation, skip, cls):
-    tc = random_(Transcoder(8, 32, layer=1, activation=activation, skip=skip))
+def test_sae_lens_transcoder_is_the_same_function(tmp_path, activation, skip, cls, random_transcoder_):
+    tc = random_transcoder_(Transcoder(8, 32, layer=1, activation=activation, skip=skip))
     sae = tc.to_sae_lens()
     assert type(sae).__name__ == cls
-    assert (sae.cfg.metadata.hook_name, sae.cfg.metadata.hook_name_out) == ("layers.1.mlp_input", "layers.1.mlp.mlp_output")
+    hooks = (sae.cfg.metadata.hook_name, sae.cfg.metadata.hook_name_out)
+    assert hooks == ("layers.1.mlp_input", "layers.1.mlp.mlp_output")
     x = torch.randn(4, 5, 8)
     with torch.no_grad():
         assert torch.equal(sae.encode(x), tc.encode(x))
@@ -49,9 +40,9 @@ def test_topk_has_no_sae_lens_class():
         Transcoder(8, 32, activation="topk", k=4).to_sae_lens()
 
 
-def test_a_set_round_trips_through_sae_lens_files(tmp_path, tl_model):
+def test_a_set_round_trips_through_sae_lens_files(tmp_path, tl_model, random_transcoder_):
     d = tl_model.cfg.hidden_size
-    tcs = TranscoderSet([random_(Transcoder(d, 16, layer=l, activation="jumprelu", skip=True), l)
+    tcs = TranscoderSet([random_transcoder_(Transcoder(d, 16, layer=l, activation="jumprelu", skip=True), l)
                          for l in range(tl_model.cfg.num_layers)], model=tl_model)
     tcs.save_sae_lens(tmp_path)
     back = TranscoderSet.load_sae_lens(tmp_path, model=tl_model)
@@ -59,12 +50,13 @@ def test_a_set_round_trips_through_sae_lens_files(tmp_path, tl_model):
         assert torch.equal(a, b)
 
 
-def test_sae_lens_transcoders_splice_as_ours(tl_model):
+def test_sae_lens_transcoders_splice_as_ours(tl_model, random_transcoder_):
     model = tl_model
     d = model.cfg.hidden_size
     seq = getattr(model.cfg, "block_size", 8)
     tokens = torch.randint(0, model.cfg.d_vocab, (2, seq), generator=torch.Generator().manual_seed(0))
-    ours = [random_(Transcoder(d, 16, layer=l, activation="jumprelu", skip=True), l) for l in range(model.cfg.num_layers)]
+    ours = [random_transcoder_(Transcoder(d, 16, layer=l, activation="jumprelu", skip=True), l)
+            for l in range(model.cfg.num_layers)]
     theirs = [tc.to_sae_lens() for tc in ours]
     with torch.no_grad():
         assert torch.equal(model.run_with_saes(tokens, saes=theirs, use_error_term=True), model(tokens))

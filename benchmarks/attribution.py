@@ -1,0 +1,168 @@
+"""Attribution graphs: time and peak memory against prompt length and feature count.
+
+    python benchmarks/attribution.py --threads 1                 # embedded models and a random 8 x 1024 Arcee
+    python benchmarks/attribution.py --afm                       # AFM-4.5B's shape (~10 GB in /tmp, 10+ GB RAM)
+
+Each run is one `attribute(model, prompt, transcoders, ...)`: CPU seconds of this process, wall seconds,
+and the peak resident memory during the call (the kernel's high-water mark, reset before each call
+through /proc/self/clear_refs) beside the resident memory before it (model and transcoders). Models:
+the embedded Arcee and alpha-er with their shipped transcoders (all features, head loadings on); a
+random 8-layer, 1024-wide GQA Arcee (the benchmarks' shape) with random TopK transcoders (k features
+per layer and position, so the feature count is layers x positions x k), head loadings off. `--afm`:
+the synthetic AFM-4.5B checkpoint of benchmarks/load_4_5b.py in bfloat16 with per-layer transcoders of
+8,192 random features (bfloat16), a 16-token prompt; target peak RSS <= 1.5x checkpoint + transcoders.
+Results go to benchmarks/attribution.json (--out), which the README's figures come from.
+"""
+
+import argparse
+import ctypes
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import hf_arcee_config, memory, randomize_  # noqa: E402
+from hooked_models import HookedArcee  # noqa: E402
+from hooked_models.attribution import attribute  # noqa: E402
+from hooked_models.families import load_model  # noqa: E402
+from hooked_models.transcoders import Transcoder, TranscoderSet, init_transcoder_, load_transcoders  # noqa: E402
+
+
+def reset_peak() -> None:
+    """Return freed memory to the system (glibc's malloc_trim), then reset this process's VmHWM to its
+    current RSS (Linux: clear_refs 5), so the peak is this call's and not a reuse of an earlier one's."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure(model, tokens, transcoders, **kwargs) -> dict:
+    reset_peak()
+    before = memory("VmRSS")
+    cpu, wall = time.process_time(), time.perf_counter()
+    graph = attribute(model, tokens, transcoders, **kwargs)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    peak = memory("VmHWM")
+    return {"seq": int(tokens.shape[-1]), "features": graph.n_features, "nodes": graph.n_nodes,
+            "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "rss_before_bytes": before, "peak_rss_bytes": peak,
+            "peak_increase_bytes": peak - before, **{k: v for k, v in kwargs.items() if k != "progress"}}
+
+
+def random_transcoders(model, d_transcoder: int, k: int, dtype=torch.float32, seed: int = 0) -> TranscoderSet:
+    d = model.cfg.hidden_size
+    layers = []
+    for layer in range(model.cfg.num_layers):
+        tc = Transcoder(d, d_transcoder, layer=layer, activation="topk", k=k, dtype=dtype)
+        init_transcoder_(tc, seed + layer)
+        layers.append(tc)
+    return TranscoderSet(layers, model=model)
+
+
+def random_tokens(model, seq: int, seed: int = 0) -> torch.Tensor:
+    tokens = torch.randint(3, model.cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seed))
+    tokens[0, 0] = 1  # BOS
+    return tokens
+
+
+def embedded_runs(seqs: dict[str, list[int]], record) -> None:
+    for family, lengths in seqs.items():
+        model = load_model("embedded", family)
+        transcoders = load_transcoders("embedded", model=model)
+        for seq in lengths:
+            result = measure(model, random_tokens(model, seq), transcoders, head_loadings=True)
+            record("embedded", {"model": f"embedded {family}", "d_transcoder": transcoders.d_transcoder, **result})
+
+
+def random_arcee_runs(seqs: list[int], budgets: list[int | None], all_up_to: int, d_transcoder: int, k: int,
+                      record) -> None:
+    from transformers import ArceeForCausalLM
+
+    shape = argparse.Namespace(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2, head_dim=128)
+    torch.manual_seed(0)
+    model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
+    transcoders = random_transcoders(model, d_transcoder, k)
+    for seq in seqs:
+        for budget in budgets:
+            if budget is None and seq > all_up_to:
+                continue  # every feature of a long prompt: more memory than a shared machine spares
+            result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=budget,
+                             head_loadings=False)
+            record("random_arcee", {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result})
+
+
+def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int) -> dict:
+    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders, one 16-token prompt."""
+    from benchmarks.load_4_5b import write_checkpoint
+    from hooked_models.families.arcee import AFM_4_5B
+
+    try:
+        if not (directory / "config.json").exists():
+            write_checkpoint(AFM_4_5B, directory)
+        checkpoint_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        model = HookedArcee.from_pretrained(directory, dtype=torch.bfloat16).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        transcoders = random_transcoders(model, 8192, 32, dtype=torch.bfloat16)
+        for p in transcoders.parameters():
+            p.requires_grad_(False)
+        transcoder_bytes = sum(p.numel() * p.element_size() for p in transcoders.parameters())
+        result = measure(model, random_tokens(model, 16), transcoders, max_feature_nodes=max_feature_nodes,
+                         batch_size=batch_size, head_loadings=False)
+        budget = checkpoint_bytes + transcoder_bytes
+        return {"model": "AFM-4.5B shape (synthetic, bfloat16)", "d_transcoder": 8192, "k": 32,
+                "checkpoint_bytes": checkpoint_bytes, "transcoder_bytes": transcoder_bytes,
+                "peak_over_checkpoint_plus_transcoders": round(result["peak_rss_bytes"] / budget, 3),
+                "target": "<= 1.5", **result}
+    finally:
+        if not keep:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("attribution.json"))
+    parser.add_argument("--afm", action="store_true", help="only the AFM-4.5B-shape run")
+    parser.add_argument("--afm-dir", type=Path, default=Path("/tmp/afm_4_5b_attribution"))
+    parser.add_argument("--keep", action="store_true", help="keep the AFM checkpoint")
+    parser.add_argument("--afm-features", type=int, default=64, help="max_feature_nodes of the AFM run")
+    parser.add_argument("--batch-size", type=int, default=16, help="the AFM run's targets per backward pass")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[8, 16, 32], help="random Arcee prompt lengths")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 0],
+                        help="random Arcee max_feature_nodes (0: all)")
+    parser.add_argument("--all-up-to", type=int, default=16,
+                        help="the all-features run only for prompts up to this long (its memory grows with them)")
+    parser.add_argument("--d-transcoder", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=8)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results["machine"] = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    def record(group: str, result: dict) -> None:
+        """Each result written as it comes, so an interrupted sweep keeps what it measured."""
+        results.setdefault(group, []).append(result)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(result, flush=True)
+
+    if args.afm:
+        results["afm_4_5b"] = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(results["afm_4_5b"], flush=True)
+    else:
+        results["embedded"], results["random_arcee"] = [], []
+        embedded_runs({"arcee": [8, 16, 32], "alpha_er": [4, 8, 16]}, record)
+        random_arcee_runs(args.seqs, [b or None for b in args.budgets], args.all_up_to, args.d_transcoder, args.k,
+                          record)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
