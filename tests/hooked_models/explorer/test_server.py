@@ -254,6 +254,17 @@ def test_a_running_job_does_not_block_the_server(client):
     assert wait(client, job)["result"] == "released"
 
 
+@pytest.mark.parametrize("family", ["arcee", "alpha_er"])
+def test_the_shipped_transcoders_open_in_the_features_view(family, request, data_dir):
+    from hooked_models.explorer.server import load_sae
+
+    model = request.getfixturevalue(family)
+    shipped = load_sae("embedded", model)  # `--sae embedded`: transcoders.load_transcoders("embedded", model)
+    described = TestClient(create_app(model, [data_dir], {"embedded": shipped})).get("/api/model").json()
+    assert [(s["name"], s["hook"], s["layer"]) for s in described["saes"]] == [
+        (f"embedded[{layer}]", f"layers.{layer}.mlp_input", layer) for layer in range(model.cfg.num_layers)]
+
+
 def test_the_command_line_parses_explore():
     from hooked_models.__main__ import build_parser
 
