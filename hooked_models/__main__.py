@@ -1,8 +1,9 @@
-"""The command line: corpus-scale runs (hooked_models/corpus/).
+"""The command line: corpus-scale runs (hooked_models/corpus/) and the explorer (hooked_models/explorer/).
 
     python -m hooked_models harvest --model embedded --names layers.1.layer_output --dataset PATH --out DIR
     python -m hooked_models harvest ... --engine ray --workers 2
     python -m hooked_models patch --model embedded --pairs PATH --value layer_input --over layer seq
+    python -m hooked_models explore --model embedded --data out       # the explorer, http://127.0.0.1:8000
 
 A user's error (a bad value, a missing file, an unknown name) is one line, in this command line's words
 (`--context-size`, not the Python API's `context_size`); `--debug` shows the traceback instead. The
@@ -142,7 +143,44 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--save", default=None, help="write the result (torch.save of its fields) to this file")
     patch.add_argument("--plot", default=None, help="write the result's heatmap to this PNG")
 
+    _explore_command(commands)
     return parser
+
+
+def _explore_command(commands) -> None:
+    explore = commands.add_parser(
+        "explore", help="the explorer: a local web app over a model (prompt, attention, patching, circuits, "
+                        "features, attribution graphs)",
+        description="Serve the explorer on http://HOST:PORT (127.0.0.1: this machine only), offline. The page "
+                    "reads files (harvests, graph files) only under the --data directories.")
+    explore.add_argument("--model", default="embedded",
+                         help="checkpoint path, 'embedded', or a Hub id in the local cache (default: %(default)s)")
+    explore.add_argument("--family", choices=("arcee", "alpha_er", "alpha-er"), default=None,
+                         help="the family 'embedded' means (default: arcee); a path's family is detected")
+    explore.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
+                         help="dtype the model runs in (default: the checkpoint's)")
+    explore.add_argument("--data", nargs="+", default=[], metavar="DIR",
+                         help="directories the page may read harvests and graph files from")
+    explore.add_argument("--sae", nargs="+", default=[], metavar="DIR",
+                         help="SAEs and transcoders for the features view: transcoder sets in circuit-tracer's "
+                              "layout (config.yaml; 'embedded': the package's), SAELens directories (cfg.json; "
+                              "needs sae_lens)")
+    explore.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    explore.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    explore.add_argument("--debug", action="store_true",
+                         help="on an error, show the traceback instead of the one-line message")
+
+
+def _explore(args) -> int:
+    from hooked_models.explorer import serve  # lazily: --help and the other commands need no web server
+    from hooked_models.explorer.server import load_sae
+    from hooked_models.families import load_model
+
+    model = load_model(args.model, args.family, args.dtype)
+    saes = {Path(path).name: load_sae(path, model) for path in args.sae}
+    print(f"explorer on http://{args.host}:{args.port} ({type(model).__name__}); Ctrl-C stops it")
+    serve(model, args.data, saes, host=args.host, port=args.port)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     from hooked_models.corpus.store import HarvestInProgress
 
     try:
+        if args.command == "explore":
+            return _explore(args)
         return _harvest(args) if args.command == "harvest" else _patch(args)
     except KeyboardInterrupt:
         if args.debug:

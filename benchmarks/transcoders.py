@@ -1,0 +1,87 @@
+"""Training transcoders from a harvest on disk: peak memory over a corpus 10x as large.
+
+    python benchmarks/transcoders.py                # harvests into /tmp (about 0.7 GB), trains, deletes
+
+Harvests every layer's MLP input and output of the embedded Arcee over N and 10N IOI prompts, then trains
+the same transcoders (same steps and batch) from each in a child process and reports its CPU time, its
+peak anonymous memory (RssAnon, sampled every 5 ms: what the process allocates) and its peak resident
+memory (VmHWM), which also counts the pages of the memory-mapped dataset the reads touched (file-backed
+page cache, which the kernel reclaims under pressure). The trainer reads one batch of rows at a time, so
+the anonymous peak should not grow with the corpus. Results go to benchmarks/transcoders.json.
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import memory  # noqa: E402
+
+
+def child(harvest: str, steps: int) -> None:
+    from hooked_models.transcoders import TrainingConfig, train_transcoders
+
+    torch.set_num_threads(1)
+    peak_anon, running = [memory("RssAnon")], True
+
+    def sample():
+        while running:
+            peak_anon[0] = max(peak_anon[0], memory("RssAnon"))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    began = time.process_time()
+    train_transcoders(harvest, config=TrainingConfig(d_transcoder=256, activation="topk", k=16, steps=steps),
+                      progress=False)
+    cpu = time.process_time() - began
+    running = False
+    sampler.join()
+    print(json.dumps({"peak_anon_bytes": peak_anon[0], "peak_rss_bytes": memory("VmHWM"),
+                      "file_rss_bytes": memory("RssFile"), "cpu_s": round(cpu, 2)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=4096, help="the 1x corpus (IOI prompts of 16 tokens)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/transcoder_bench"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("transcoders.json"))
+    parser.add_argument("--child", nargs=2, metavar=("HARVEST", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child[0], int(args.child[1]))
+    from hooked_models import corpus
+    from hooked_models.embedded.task import make_ioi_prompts
+    from hooked_models.transcoders import input_hook_name, output_hook_name
+
+    names = [n for layer in range(2) for n in (input_hook_name(layer), output_hook_name(layer))]
+    results = {}
+    try:
+        for scale in (1, 10):
+            harvest = args.dir / f"x{scale}"
+            tokens = make_ioi_prompts(args.prompts * scale, 11).clean_tokens
+            corpus.harvest("embedded", tokens, names, harvest, progress=False)
+            done = subprocess.run([sys.executable, __file__, "--child", str(harvest), str(args.steps)],
+                                  stdout=subprocess.PIPE, text=True, check=True,
+                                  env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": "/usr/bin:/bin"})
+            results[f"x{scale}"] = {"tokens": int(tokens.numel()), **json.loads(done.stdout.strip().splitlines()[-1])}
+            print(scale, results[f"x{scale}"], flush=True)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    for field in ("peak_anon_bytes", "peak_rss_bytes"):
+        results[f"{field}_10x_over_1x"] = round(results["x10"][field] / results["x1"][field], 3)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(results)
+
+
+if __name__ == "__main__":
+    main()
