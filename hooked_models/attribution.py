@@ -34,7 +34,6 @@ let through); for each L, the heads' parts plus the skip are the edge.
 """
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +42,9 @@ from pathlib import Path
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from tqdm import tqdm
+
+from hooked_models.transcoders import CrossLayerTranscoder
 
 # The feature_type strings circuit-tracer's viewer knows (frontend/graph_models.py).
 FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
@@ -71,6 +73,7 @@ class AttributionGraph:
     str_tokens: list[str] = field(default_factory=list)
     model_name: str = ""
     transcoder_names: list[str] = field(default_factory=list)
+    logit_str_tokens: list[str] = field(default_factory=list)
     head_loadings: Float[Tensor, "node node layer head"] | None = None
     attention_skips: Float[Tensor, "node node layer"] | None = None
     node_mask: Tensor | None = None
@@ -243,7 +246,7 @@ class AttributionGraph:
             layer = str(self.n_layers + 1)
             node.update(node_id=f"{layer}_{token}_{pos}", feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
                         jsNodeId=f"L_{token}-{pos}", token_prob=prob, is_target_logit=k == 0,
-                        clerp=f'Output "{token}" (p={prob:.3f})')
+                        clerp=f'Output "{self._logit_text(k)}" (p={prob:.3f})')
         return node
 
     def _state(self) -> dict:
@@ -253,7 +256,7 @@ class AttributionGraph:
                  "logit_probabilities": self.logit_probabilities.tolist(),
                  "adjacency_matrix": self.adjacency_matrix.tolist(), "n_layers": self.n_layers,
                  "prompt": self.prompt, "str_tokens": list(self.str_tokens), "model_name": self.model_name,
-                 "transcoder_names": list(self.transcoder_names)}
+                 "transcoder_names": list(self.transcoder_names), "logit_str_tokens": list(self.logit_str_tokens)}
         for name in ("head_loadings", "attention_skips"):
             value = getattr(self, name)
             state[name] = None if value is None else {"shape": list(value.shape), "values": value.flatten().tolist()}
@@ -280,7 +283,7 @@ class AttributionGraph:
             extra[name] = None if value is None else torch.tensor(value["values"], dtype=torch.float32).reshape(value["shape"])
         return cls(**tensors, adjacency_matrix=adjacency, n_layers=state["n_layers"], prompt=state["prompt"],
                    str_tokens=state["str_tokens"], model_name=state["model_name"],
-                   transcoder_names=state["transcoder_names"], **extra)
+                   transcoder_names=state["transcoder_names"], logit_str_tokens=state["logit_str_tokens"], **extra)
 
     def plot(self, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None,
              node_threshold: float = 0.8, edge_threshold: float = 0.98):
@@ -292,7 +295,7 @@ class AttributionGraph:
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
         kept = pruned.node_mask.nonzero().flatten().tolist()
         if ax is None:
-            fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * self.n_pos + 2), 1.3 * (self.n_layers + 2) + 1))
+            fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * self.n_pos + 1.5), 0.9 * (self.n_layers + 2) + 1.5))
         else:
             fig = ax.figure
         # Nodes sharing a (row, position) cell are spread across it.
@@ -316,8 +319,9 @@ class AttributionGraph:
             points = [xy[i] for i in kept if pruned.node_kind(i) == kind]
             if points:
                 ax.scatter(*zip(*points), s=60, color=colour, edgecolor="black", zorder=2, label=kind)
-        for i in kept:
-            if pruned.node_kind(i) in ("feature", "logit"):
+        crowded = {i for members in cells.values() if len(members) > 4 for i in members}
+        for i in kept:  # feature indices where they fit, and the logits' tokens
+            if pruned.node_kind(i) == "logit" or (pruned.node_kind(i) == "feature" and i not in crowded):
                 label = (str(int(self.active_features[i, 2])) if pruned.node_kind(i) == "feature"
                          else self._logit_label(i - self.logit_start))
                 ax.annotate(label, xy[i], textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
@@ -332,8 +336,11 @@ class AttributionGraph:
             fig.savefig(path, dpi=120)
         return fig
 
+    def _logit_text(self, k: int) -> str:
+        return self.logit_str_tokens[k] if self.logit_str_tokens else str(int(self.logit_tokens[k]))
+
     def _logit_label(self, k: int) -> str:
-        return f"{int(self.logit_tokens[k])} ({float(self.logit_probabilities[k]):.2f})"
+        return f"{self._logit_text(k)!r} ({float(self.logit_probabilities[k]):.2f})"
 
     def __str__(self) -> str:
         pruned = "" if self.node_mask is None else f", pruned to {int(self.node_mask.sum())} nodes"
@@ -386,11 +393,15 @@ class _Gates:
     gate: Tensor | None = None
 
 
+def _frozen(name: str) -> bool:
+    """The values frozen at the prompt's: every norm's scale and every attention pattern."""
+    return name.endswith(".norm_scale") or name.endswith(".attention_probabilities")
+
+
 def _freezing_hooks() -> list:
     """Every norm scale and attention pattern frozen at its value: returned detached, which the
     components honour (the forward keeps its bits, the gradient treats them as constants)."""
-    frozen = lambda name: name.endswith(".norm_scale") or name.endswith(".attention_probabilities")  # noqa: E731
-    return [(frozen, lambda t, hook: t.detach())]
+    return [(_frozen, lambda t, hook: t.detach())]
 
 
 def _transcoder_names(transcoders) -> list[str]:
@@ -400,7 +411,7 @@ def _transcoder_names(transcoders) -> list[str]:
 def _written_layers(transcoders, layer: int) -> range:
     """The layers whose MLP output layer `layer`'s features write: itself, or (a cross-layer
     transcoder, whose `decoder(source, target)` takes any later target) it and every later one."""
-    if type(transcoders).__name__ == "CrossLayerTranscoder":
+    if isinstance(transcoders, CrossLayerTranscoder):
         return range(layer, transcoders.n_layers)
     return range(layer, layer + 1)
 
@@ -507,7 +518,7 @@ class _Replica:
         g_embedding, g_out = grads[0].to(dtype), [g.to(dtype) for g in grads[1:]]
         embeddings = (g_embedding * prompt.embedding).sum(-1)
         errors = torch.einsum("lbsd,lsd->bls", torch.stack(g_out), prompt.errors).flatten(1)
-        features = torch.zeros(g_embedding.shape[0], prompt.active.shape[0], dtype=dtype)
+        features = torch.zeros(g_embedding.shape[0], prompt.active.shape[0], dtype=dtype, device=g_embedding.device)
         for layer in range(tcs.n_layers):
             rows = (prompt.active[:, 0] == layer).nonzero().flatten()
             if not rows.numel():
@@ -531,28 +542,29 @@ class _Target:
 
 def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_heads: int):
     """(rows [target source], loadings [target source layer head] or None, skips [target source layer])."""
-    prompt, tcs = replica.prompt, replica.prompt.transcoders
+    tcs = replica.prompt.transcoders
     batch, seq = replica.logits.shape[:2]
+    device = replica.logits.device
     grad_inputs, grad_logits = {}, None
     for b, target in enumerate(targets):
         if target.layer is None:
             if grad_logits is None:
-                grad_logits = torch.zeros(replica.logits.shape, dtype=target.direction.dtype)
-            grad_logits[b, target.pos] = target.direction
+                grad_logits = torch.zeros(replica.logits.shape, dtype=target.direction.dtype, device=device)
+            grad_logits[b, target.pos] = target.direction.to(device)
         else:
             if target.layer not in grad_inputs:
-                grad_inputs[target.layer] = torch.zeros(batch, seq, tcs.d_in, dtype=target.direction.dtype)
-            grad_inputs[target.layer][b, target.pos] = target.direction
+                grad_inputs[target.layer] = torch.zeros(batch, seq, tcs.d_in, dtype=target.direction.dtype, device=device)
+            grad_inputs[target.layer][b, target.pos] = target.direction.to(device)
     n = len(targets)
     rows = replica.columns(grad_inputs, grad_logits)[:n]
     if not head_loadings:
         return rows, None, None
-    loadings = torch.zeros(n, rows.shape[1], tcs.n_layers, n_heads, dtype=rows.dtype)
-    skips = torch.zeros(n, rows.shape[1], tcs.n_layers, dtype=rows.dtype)
+    loadings = torch.zeros(n, rows.shape[1], tcs.n_layers, n_heads, dtype=rows.dtype, device=device)
+    skips = torch.zeros(n, rows.shape[1], tcs.n_layers, dtype=rows.dtype, device=device)
     for layer, holder in replica.gates.items():
         try:
             for head in range(n_heads + 1):  # head n_heads: none let through, the part that skips the layer
-                holder.gate = torch.zeros(n_heads, 1)
+                holder.gate = torch.zeros(n_heads, 1, device=device)
                 if head < n_heads:
                     holder.gate[head] = 1
                 part = replica.columns(grad_inputs, grad_logits)[:n]
@@ -623,8 +635,7 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
 
     replica = _Replica(state, batch_size, head_loadings)
     n_heads = model.cfg.n_heads
-    logits = state.logits[0, -1]
-    vocab = logits.shape[-1]
+    vocab = state.logits.shape[-1]
 
     def logit_target(token: int) -> _Target:
         direction = -torch.full((vocab,), 1.0 / vocab, dtype=dtype)  # the logit minus the mean logit
@@ -635,7 +646,7 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
         layer, pos, feature = state.active[i].tolist()
         return _Target(layer, pos, transcoders.encoder(layer)[:, feature].detach().to(dtype))
 
-    bar = _progress(progress)
+    bar = tqdm(desc="attribution", unit="target", disable=not progress)
     computed: dict = {}  # target key -> (row, loadings, skips)
 
     def compute(keys: list) -> None:
@@ -644,7 +655,9 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
             targets = [logit_target(int(k[1])) if k[0] == "logit" else feature_target(k[1]) for k in chunk]
             rows, loads, skips = _rows(replica, targets, head_loadings, n_heads)
             for j, key in enumerate(chunk):
-                computed[key] = (rows[j], None if loads is None else loads[j], None if skips is None else skips[j])
+                # Kept on the CPU: the graph is assembled there.
+                computed[key] = (rows[j].cpu(), None if loads is None else loads[j].cpu(),
+                                 None if skips is None else skips[j].cpu())
             bar.update(len(chunk))
 
     logit_keys = [("logit", int(t)) for t in logit_tokens]
@@ -674,15 +687,16 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
             skips[r, :len(keep_columns)] = skip[keep_columns]
     bar.close()
     try:
-        str_tokens = model.to_str_tokens(tokens[0])
+        str_tokens, logit_str_tokens = model.to_str_tokens(tokens[0]), model.to_str_tokens(logit_tokens)
     except ValueError:  # no tokenizer: the ids stand for themselves
-        str_tokens = [str(t) for t in tokens[0].tolist()]
+        str_tokens, logit_str_tokens = [str(t) for t in tokens[0].tolist()], []
     return AttributionGraph(
         tokens=tokens[0].cpu(), active_features=state.active[selected].cpu(),
         activation_values=state.activations[selected].detach().cpu(), logit_tokens=logit_tokens.cpu(),
         logit_probabilities=logit_probs.cpu(), adjacency_matrix=adjacency.detach().cpu(), n_layers=n_layers,
         prompt=prompt if isinstance(prompt, str) else "", str_tokens=str_tokens,
         model_name=str(getattr(model.cfg, "model_name", "")), transcoder_names=_transcoder_names(transcoders),
+        logit_str_tokens=logit_str_tokens,
         head_loadings=None if loadings is None else loadings.detach().cpu(),
         attention_skips=None if skips is None else skips.detach().cpu())
 
@@ -709,25 +723,6 @@ def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_ac
     return torch.tensor(sorted(done), dtype=torch.long)
 
 
-class _NoBar:
-    def reset(self, total=None):
-        pass
-
-    def update(self, n=1):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(progress: bool):
-    if not progress:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(desc="attribution", unit="target")
-
-
 # ----------------------------------------------------------------------------------- intervention
 def feature_intervention(model, prompt, transcoders, interventions: Sequence[tuple[int, int, int, float]], *,
                          freeze_attention: bool = True) -> Float[Tensor, "seq vocab"]:
@@ -751,10 +746,9 @@ def feature_intervention(model, prompt, transcoders, interventions: Sequence[tup
         by_layer.setdefault(layer, []).append((pos, feature, value))
     hooks = []
     if freeze_attention:
-        names = lambda name: name.endswith(".norm_scale") or name.endswith(".attention_probabilities")  # noqa: E731
         with torch.no_grad():
-            _, frozen = model.run_with_cache(tokens, names_filter=names)
-        hooks.append((names, lambda t, hook: frozen[hook.name].to(t.dtype)))
+            _, frozen = model.run_with_cache(tokens, names_filter=_frozen)
+        hooks.append((_frozen, lambda t, hook: frozen[hook.name].to(t.dtype)))
     live: dict[int, Tensor] = {}
     acts: list[Tensor] = [None] * n_layers
 

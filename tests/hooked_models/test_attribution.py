@@ -195,6 +195,12 @@ def test_frozen_forward_and_the_replacement_with_errors_are_the_model_bit_for_bi
         plain, explicit_logits = model(tokens[None])[0], model.run_with_hooks(tokens[None], fwd_hooks=explicit)[0]
         detached = model.run_with_hooks(tokens[None], fwd_hooks=[(frozen, lambda t, hook: t.detach())])[0]
     assert torch.equal(detached, explicit_logits)
+    if isinstance(tcs, TranscoderSet):  # the transcoders spliced (hooked_models/saes.py), frozen and not
+        with torch.no_grad(), model.hooks(fwd_hooks=[(frozen, lambda t, hook: t.detach())]):
+            spliced_frozen = model.run_with_saes(tokens[None], saes=tcs, use_error_term=True)[0]
+        with torch.no_grad():
+            spliced = model.run_with_saes(tokens[None], saes=tcs, use_error_term=True)[0]
+        assert torch.equal(spliced_frozen, explicit_logits) and torch.equal(spliced, plain)
     assert torch.equal(feature_intervention(model, tokens, tcs, [], freeze_attention=True), explicit_logits)
     assert torch.equal(feature_intervention(model, tokens, tcs, [], freeze_attention=False), plain)
     layer, pos, feature = graph.active_features[0].tolist()
@@ -229,7 +235,7 @@ def test_logits_cover_the_desired_probability(setup):
 
 def test_batch_size_and_head_loadings_change_no_edge(setup):
     model, tcs, tokens, graph = setup
-    small = attribute(model, tokens, tcs, batch_size=5, head_loadings=False)
+    small = attribute(model, tokens, tcs, batch_size=5, head_loadings=False, progress=True)
     assert small.head_loadings is None
     torch.testing.assert_close(small.adjacency_matrix, graph.adjacency_matrix, rtol=1e-6, atol=1e-7)
 

@@ -177,3 +177,17 @@ def test_attention_patterns_frozen_by_a_detach_give_the_constant_pattern_gradien
     _, oracle = _input_gradient(model, tokens, upstream, [(is_pattern, lambda t, hook: cache[hook.name].clone())])
     torch.testing.assert_close(frozen, oracle, rtol=1e-6, atol=1e-6)
     assert (free - frozen).abs().max() > 1e-2 * frozen.abs().max()
+
+
+def test_transformer_lens_idiom_on_hook_scale_freezes_the_final_norm(tl_model):
+    """TransformerLens's own names work the same: `ln_final.hook_scale` returning `scale.detach()` freezes
+    the final norm exactly as a detach on its standard name does, and the gradient then differs from the
+    unfrozen one (the issue's report: before, the write was compared by value and ignored)."""
+    model = tl_model
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(2, 8, model.cfg.d_vocab, generator=torch.Generator().manual_seed(2))
+    _, free = _input_gradient(model, tokens, upstream)
+    _, by_tl_name = _input_gradient(model, tokens, upstream, [("ln_final.hook_scale", _detach)])
+    _, by_name = _input_gradient(model, tokens, upstream, [("norm.norm_scale", _detach)])
+    assert torch.equal(by_tl_name, by_name)
+    assert (free - by_name).abs().max() > 1e-3 * by_name.abs().max()
