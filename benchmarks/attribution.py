@@ -50,7 +50,8 @@ def measure(model, tokens, transcoders, **kwargs) -> dict:
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     peak = memory("VmHWM")
     return {"seq": int(tokens.shape[-1]), "features": graph.n_features, "nodes": graph.n_nodes,
-            "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "rss_before_bytes": before, "peak_rss_bytes": peak,
+            "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "threads": torch.get_num_threads(),
+            "rss_before_bytes": before, "peak_rss_bytes": peak,
             "peak_increase_bytes": peak - before, **{k: v for k, v in kwargs.items() if k != "progress"}}
 
 
@@ -144,7 +145,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results["machine"] = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    results["machine"] = {"torch": torch.__version__}
 
     def record(group: str, result: dict) -> None:
         """Each result written as it comes, so an interrupted sweep keeps what it measured."""
