@@ -102,7 +102,7 @@ def test_prepend_bos_and_padding_side_for_text(family):
     fired = {}
     hook = ("input_ids", lambda ids, hook: fired.__setitem__("ids", ids.clone()))
     if family == "arcee":
-        texts = ["When Mary and John went to the store", "Mary"]
+        texts = ["When Mary and John went to the store", " Mary"]
         model.run_with_hooks(texts, fwd_hooks=[hook], prepend_bos=False, padding_side="left")
         ids, mask = model.to_tokens(texts, prepend_bos=False, padding_side="left", return_mask=True)
         assert torch.equal(fired["ids"], ids) and ids[0, 0] != bos and mask[1, 0] == 0 and mask[1, -1] == 1
@@ -115,7 +115,7 @@ def test_prepend_bos_and_padding_side_for_text(family):
             model(texts, padding_side="middle")
         assert not torch.equal(model(texts[0], prepend_bos=False)[:, -1], with_bos[:, -1])
     else:  # 16-token windows: text input is checked against the length rule like ids
-        text = "When Mary and John went to the store together , John gave a drink to"
+        text = "When Mary and John went to the store together, John gave a drink to"
         ids = model.to_tokens(text, prepend_bos=True)
         model.run_with_hooks(text, fwd_hooks=[hook], prepend_bos=True)
         assert torch.equal(fired["ids"], ids) and ids[0, 0] == bos
