@@ -494,8 +494,9 @@ class _Replica:
                       (prompt.outputs[l], lambda t, hook, l=l: write(t, hook, l))]
             if head_gates:
                 hooks.append((f"layers.{l}.self_attn.attention_head_outputs", lambda t, hook, l=l: gate(t, hook, l)))
-        params = [p for p in model.parameters() if p.requires_grad]
-        try:  # no parameter gradients: the graph is built for the leaves alone
+        # No parameter gradients, the model's or the transcoders': the graph is built for the leaves alone.
+        params = [p for module in (model, tcs) for p in module.parameters() if p.requires_grad]
+        try:
             for p in params:
                 p.requires_grad_(False)
             with torch.enable_grad():
@@ -508,12 +509,19 @@ class _Replica:
         """Rows of the adjacency for the targets whose input directions are given: `grad_inputs[l]`
         [batch seq d_in] at transcoder l's input, `grad_logits` [batch seq vocab] at the logits.
         Columns: features, errors, embeddings (logits, which write nothing, are left out)."""
-        prompt, tcs = self.prompt, self.prompt.transcoders
         outputs = [self.reads[l] for l in grad_inputs] + ([self.logits] if grad_logits is not None else [])
         grads_out = [g.to(o.dtype) for g, o in zip([*grad_inputs.values(), grad_logits], outputs)]
-        leaves = [self.embedding_leaf, *[self.out_leaves[l] for l in range(tcs.n_layers)]]
+        leaves = [self.embedding_leaf, *[self.out_leaves[l] for l in range(len(self.out_leaves))]]
         grads = torch.autograd.grad(outputs, leaves, grads_out, retain_graph=True, allow_unused=True)
         grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+        # The rows are numbers: under no_grad, so that no graph (through a transcoder's weights that
+        # require grad) keeps this pass's gradients alive past it.
+        with torch.no_grad():
+            return self._rows_of(grads)
+
+    def _rows_of(self, grads: Sequence[Tensor]) -> Float[Tensor, "batch source"]:
+        """The rows from the gradients at the leaves: each source's write dotted with its leaf's gradient."""
+        prompt, tcs = self.prompt, self.prompt.transcoders
         dtype = prompt.errors.dtype
         g_embedding, g_out = grads[0].to(dtype), [g.to(dtype) for g in grads[1:]]
         embeddings = (g_embedding * prompt.embedding).sum(-1)
@@ -680,7 +688,7 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
     row_keys = [("feature", int(i)) for i in selected]
     logit_rows = range(n_nodes - len(logit_keys), n_nodes)
     for r, key in [*enumerate(row_keys), *zip(logit_rows, logit_keys)]:
-        row, load, skip = computed[key]
+        row, load, skip = computed.pop(key)
         adjacency[r, :len(keep_columns)] = row[keep_columns]
         if head_loadings:
             loadings[r, :len(keep_columns)] = load[keep_columns]
@@ -704,23 +712,36 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
 def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
                      batch_size: int, compute) -> Tensor:
     """circuit-tracer's feature selection: rank the features not yet computed by their influence on the
-    logits through the rows computed so far, compute the top batch, repeat until `budget` are."""
+    logits through the rows computed so far, compute the top batch, repeat until `budget` are. Only the
+    computed rows are held ([computed source], never a dense [source source] matrix)."""
     done: list[int] = []
     while len(done) < budget:
-        n_sources = next(iter(computed.values()))[0].shape[0]
-        matrix = torch.zeros(n_sources + len(logit_keys), n_sources + len(logit_keys))
-        weights = torch.zeros(matrix.shape[0])
-        for j, key in enumerate(logit_keys):
-            matrix[n_sources + j, :n_sources] = computed[key][0]
-            weights[n_sources + j] = logit_probs[j]
-        for i in done:
-            matrix[i, :n_sources] = computed[("feature", i)][0]
-        influence = _influence(_normalized(matrix), weights)[:n_active]
+        rows = torch.stack([computed[key][0] for key in [*logit_keys, *[("feature", i) for i in done]]]).float()
+        own_column = torch.tensor([-1] * len(logit_keys) + done, dtype=torch.long)
+        weights = torch.cat([logit_probs.float().cpu(), torch.zeros(len(done))])
+        influence = _influence_of_rows(_normalized(rows), own_column, weights)[:n_active]
         influence[done] = -1
         take = influence.argsort(descending=True)[:min(batch_size, budget - len(done))].tolist()
         compute([("feature", i) for i in take])
         done.extend(take)
     return torch.tensor(sorted(done), dtype=torch.long)
+
+
+def _influence_of_rows(normalized: Float[Tensor, "row source"], own_column: Int[Tensor, " row"],
+                       weights: Float[Tensor, " row"]) -> Float[Tensor, " source"]:
+    """`_influence` of a graph of which only these rows are nonzero: row r is node `own_column[r]` as a
+    source (-1: a logit, no source), `weights` the rows' output weights. The same series, each step
+    carried from the sources back to the rows that are those sources."""
+    total = current = weights @ normalized
+    is_source = own_column >= 0
+    for _ in range(normalized.shape[0]):
+        at_rows = torch.zeros_like(weights)
+        at_rows[is_source] = current[own_column[is_source]]
+        if not bool(at_rows.any()):
+            break
+        current = at_rows @ normalized
+        total = total + current
+    return total
 
 
 # ----------------------------------------------------------------------------------- intervention
