@@ -548,8 +548,9 @@ class _Target:
     direction: Tensor
 
 
-def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_heads: int):
-    """(rows [target source], loadings [target source layer head] or None, skips [target source layer])."""
+def _directions(replica: _Replica, targets: Sequence[_Target]) -> tuple[dict, Tensor | None]:
+    """The targets' input directions as gradients: [batch seq d_in] at each transcoder input read,
+    [batch seq vocab] at the logits (target b in copy b of the prompt)."""
     tcs = replica.prompt.transcoders
     batch, seq = replica.logits.shape[:2]
     device = replica.logits.device
@@ -563,28 +564,35 @@ def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_
             if target.layer not in grad_inputs:
                 grad_inputs[target.layer] = torch.zeros(batch, seq, tcs.d_in, dtype=target.direction.dtype, device=device)
             grad_inputs[target.layer][b, target.pos] = target.direction.to(device)
-    n = len(targets)
-    rows = replica.columns(grad_inputs, grad_logits)[:n]
-    if not head_loadings:
-        return rows, None, None
-    loadings = torch.zeros(n, rows.shape[1], tcs.n_layers, n_heads, dtype=rows.dtype, device=device)
-    skips = torch.zeros(n, rows.shape[1], tcs.n_layers, dtype=rows.dtype, device=device)
+    return grad_inputs, grad_logits
+
+
+def _rows(replica: _Replica, targets: Sequence[_Target]) -> Float[Tensor, "target source"]:
+    return replica.columns(*_directions(replica, targets))[:len(targets)]
+
+
+def _head_parts(replica: _Replica, targets: Sequence[_Target], n_heads: int, columns: Tensor, rows: Tensor,
+                loadings: Tensor, skips: Tensor) -> None:
+    """Write the targets' per-head loadings and skips over the source `columns` into `loadings[rows]`
+    and `skips[rows]`: per attention layer, one backward pass per head (that head alone let through)
+    and one with none let through (the part that skips the layer). Nothing wider than one pass's rows
+    [target source] is held besides the graph's own tensors."""
+    grad_inputs, grad_logits = _directions(replica, targets)
+    device, n, k = replica.logits.device, len(targets), len(columns)
     for layer, holder in replica.gates.items():
         try:
-            for head in range(n_heads + 1):  # head n_heads: none let through, the part that skips the layer
+            for head in range(n_heads, -1, -1):  # head n_heads first: none let through, the skip
                 holder.gate = torch.zeros(n_heads, 1, device=device)
                 if head < n_heads:
                     holder.gate[head] = 1
-                part = replica.columns(grad_inputs, grad_logits)[:n]
-                if head < n_heads:
-                    loadings[:, :, layer, head] = part
+                part = replica.columns(grad_inputs, grad_logits)[:n, columns].cpu()
+                if head == n_heads:
+                    skips[rows, :k, layer] = part.to(skips.dtype)
                 else:
-                    skips[:, :, layer] = part
+                    # A pass letting head h through also carries what skips the layer: counted once, apart.
+                    loadings[rows, :k, layer, head] = (part - skips[rows, :k, layer].to(part.dtype)).to(loadings.dtype)
         finally:
             holder.gate = None
-        # A pass letting head h through also carries what skips the layer: that is counted once, apart.
-        loadings[:, :, layer] -= skips[:, :, layer, None]
-    return rows, loadings, skips
 
 
 def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
@@ -655,17 +663,17 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
         return _Target(layer, pos, transcoders.encoder(layer)[:, feature].detach().to(dtype))
 
     bar = tqdm(desc="attribution", unit="target", disable=not progress)
-    computed: dict = {}  # target key -> (row, loadings, skips)
+    computed: dict = {}  # target key -> its row over every source
+
+    def target(key) -> _Target:
+        return logit_target(int(key[1])) if key[0] == "logit" else feature_target(key[1])
 
     def compute(keys: list) -> None:
         for start in range(0, len(keys), batch_size):
             chunk = keys[start:start + batch_size]
-            targets = [logit_target(int(k[1])) if k[0] == "logit" else feature_target(k[1]) for k in chunk]
-            rows, loads, skips = _rows(replica, targets, head_loadings, n_heads)
+            rows = _rows(replica, [target(k) for k in chunk]).cpu()  # the graph is assembled on the CPU
             for j, key in enumerate(chunk):
-                # Kept on the CPU: the graph is assembled there.
-                computed[key] = (rows[j].cpu(), None if loads is None else loads[j].cpu(),
-                                 None if skips is None else skips[j].cpu())
+                computed[key] = rows[j].clone()  # its own storage: the batch's rows go with the batch
             bar.update(len(chunk))
 
     logit_keys = [("logit", int(t)) for t in logit_tokens]
@@ -679,20 +687,22 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
         compute(logit_keys)
         selected = _select_features(computed, logit_keys, logit_probs, n_active, max_feature_nodes, batch_size, compute)
 
-    # Assemble over the selected features: columns of the others dropped.
+    # Assemble over the selected features: columns of the others dropped, each row released as placed.
     keep_columns = torch.cat([selected, torch.arange(n_active, n_sources)])
     n_nodes = len(selected) + n_layers * seq + seq + len(logit_keys)
     adjacency = torch.zeros(n_nodes, n_nodes, dtype=dtype)
-    loadings = torch.zeros(n_nodes, n_nodes, n_layers, n_heads, dtype=dtype) if head_loadings else None
-    skips = torch.zeros(n_nodes, n_nodes, n_layers, dtype=dtype) if head_loadings else None
-    row_keys = [("feature", int(i)) for i in selected]
-    logit_rows = range(n_nodes - len(logit_keys), n_nodes)
-    for r, key in [*enumerate(row_keys), *zip(logit_rows, logit_keys)]:
-        row, load, skip = computed.pop(key)
-        adjacency[r, :len(keep_columns)] = row[keep_columns]
-        if head_loadings:
-            loadings[r, :len(keep_columns)] = load[keep_columns]
-            skips[r, :len(keep_columns)] = skip[keep_columns]
+    placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
+              *zip(range(n_nodes - len(logit_keys), n_nodes), logit_keys)]
+    for r, key in placed:
+        adjacency[r, :len(keep_columns)] = computed.pop(key)[keep_columns]
+    loadings = skips = None
+    if head_loadings:  # the graph's rows only, its columns only, written in place batch by batch
+        loadings = torch.zeros(n_nodes, n_nodes, n_layers, n_heads, dtype=dtype)
+        skips = torch.zeros(n_nodes, n_nodes, n_layers, dtype=dtype)
+        for start in range(0, len(placed), batch_size):
+            chunk = placed[start:start + batch_size]
+            _head_parts(replica, [target(key) for _, key in chunk], n_heads, keep_columns,
+                        torch.tensor([r for r, _ in chunk]), loadings, skips)
     bar.close()
     try:
         str_tokens, logit_str_tokens = model.to_str_tokens(tokens[0]), model.to_str_tokens(logit_tokens)
@@ -716,7 +726,7 @@ def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_ac
     computed rows are held ([computed source], never a dense [source source] matrix)."""
     done: list[int] = []
     while len(done) < budget:
-        rows = torch.stack([computed[key][0] for key in [*logit_keys, *[("feature", i) for i in done]]]).float()
+        rows = torch.stack([computed[key] for key in [*logit_keys, *[("feature", i) for i in done]]]).float()
         own_column = torch.tensor([-1] * len(logit_keys) + done, dtype=torch.long)
         weights = torch.cat([logit_probs.float().cpu(), torch.zeros(len(done))])
         influence = _influence_of_rows(_normalized(rows), own_column, weights)[:n_active]
