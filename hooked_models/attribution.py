@@ -638,7 +638,12 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
     chooses them (by their influence on the logits, estimated from the rows computed so far, in
     batches); the others are not nodes. `batch_size`: targets per backward pass (and copies of the
     prompt held for them). `head_loadings`: also split every edge over each attention layer's heads
-    (one more backward pass per head and layer, plus one per layer).
+    (one more backward pass per head and layer, plus one per layer, for the graph's rows only).
+
+    Memory above the model and transcoders: `batch_size` copies of one frozen forward, one backward
+    pass's gradients at the leaves, the computed rows (targets x sources: with `max_feature_nodes`,
+    only the rows computed) and the graph (nodes², with head loadings nodes² x layers x (heads + 1)).
+    No parameter gradients; nothing outlives a backward pass but its rows.
     """
     tokens = _tokens(model, prompt)
     _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size)
