@@ -1,7 +1,7 @@
 """Attribution graphs: time and peak memory against prompt length and feature count.
 
     python benchmarks/attribution.py --threads 1                 # embedded models and a random 8 x 1024 Arcee
-    python benchmarks/attribution.py --afm                       # AFM-4.5B's shape (~10 GB in /tmp, 10+ GB RAM)
+    python benchmarks/attribution.py --afm                       # AFM-4.5B's shape (~9.3 GB in /tmp, ~14 GB RAM)
 
 Each run is one `attribute(model, prompt, transcoders, ...)`: CPU seconds of this process, wall seconds,
 and the peak resident memory during the call (the kernel's high-water mark, reset before each call
@@ -11,13 +11,13 @@ random 8-layer, 1024-wide GQA Arcee (the benchmarks' shape) with random TopK tra
 per layer and position, so the feature count is layers x positions x k), head loadings off. `--afm`:
 the synthetic AFM-4.5B checkpoint of benchmarks/load_4_5b.py in bfloat16 with per-layer transcoders of
 8,192 random features (bfloat16), a 16-token prompt; target peak RSS <= 1.5x checkpoint + transcoders.
-Results go to benchmarks/attribution.json (--out), which the README's figures come from.
+Results go to benchmarks/results/attribution.json (--afm: attribution_afm.json), which
+benchmarks/figures.py renders into the READMEs.
 """
 
 import argparse
 import ctypes
 import gc
-import json
 import shutil
 import sys
 import time
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import hf_arcee_config, memory, randomize_  # noqa: E402
+from benchmarks.common import Results, hf_arcee_config, memory, randomize_  # noqa: E402
 from hooked_models import HookedArcee  # noqa: E402
 from hooked_models.attribution import attribute  # noqa: E402
 from hooked_models.families import load_model  # noqa: E402
@@ -50,8 +50,7 @@ def measure(model, tokens, transcoders, **kwargs) -> dict:
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     peak = memory("VmHWM")
     return {"seq": int(tokens.shape[-1]), "features": graph.n_features, "nodes": graph.n_nodes,
-            "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "threads": torch.get_num_threads(),
-            "rss_before_bytes": before, "peak_rss_bytes": peak,
+            "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "rss_before_bytes": before, "peak_rss_bytes": peak,
             "peak_increase_bytes": peak - before, **{k: v for k, v in kwargs.items() if k != "progress"}}
 
 
@@ -128,7 +127,6 @@ def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("attribution.json"))
     parser.add_argument("--afm", action="store_true", help="only the AFM-4.5B-shape run")
     parser.add_argument("--afm-dir", type=Path, default=Path("/tmp/afm_4_5b_attribution"))
     parser.add_argument("--keep", action="store_true", help="keep the AFM checkpoint")
@@ -138,31 +136,28 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 0],
                         help="random Arcee max_feature_nodes (0: all)")
     parser.add_argument("--all-up-to", type=int, default=16,
-                        help="the all-features run only for prompts up to this long (its memory grows with them)")
+                        help="the all-features run only for prompts up to this long")
     parser.add_argument("--d-transcoder", type=int, default=4096)
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results["machine"] = {"torch": torch.__version__}
+    if args.afm:
+        results = Results("attribution_afm")
+        figures = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size)
+        print(figures, flush=True)
+        results.save(figures)
+        return
+    results, figures = Results("attribution"), {"embedded": [], "random_arcee": []}
 
     def record(group: str, result: dict) -> None:
-        """Each result written as it comes, so an interrupted sweep keeps what it measured."""
-        results.setdefault(group, []).append(result)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        figures[group].append(result)
         print(result, flush=True)
 
-    if args.afm:
-        results["afm_4_5b"] = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
-        print(results["afm_4_5b"], flush=True)
-    else:
-        results["embedded"], results["random_arcee"] = [], []
-        embedded_runs({"arcee": [8, 16, 32], "alpha_er": [4, 8, 16]}, record)
-        random_arcee_runs(args.seqs, [b or None for b in args.budgets], args.all_up_to, args.d_transcoder, args.k,
-                          record)
-    print(f"wrote {args.out}")
+    embedded_runs({"arcee": [8, 16, 32], "alpha_er": [4, 8, 16]}, record)
+    random_arcee_runs(args.seqs, [b or None for b in args.budgets], args.all_up_to, args.d_transcoder, args.k,
+                      record)
+    results.save(figures)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,22 @@ def load_ratio() -> float:
     return f["peak_rss_after_load"] / f["checkpoint_bytes"]
 
 
+def afm_attribution() -> dict:
+    """The AFM-4.5B-shape attribution run: its figures, and its peak over checkpoint + transcoders."""
+    f = load("attribution_afm")["figures"]
+    return {**f, "ratio": f["peak_rss_bytes"] / (f["checkpoint_bytes"] + f["transcoder_bytes"])}
+
+
+def attribution_runs(group: str) -> list[dict]:
+    return load("attribution")["figures"][group]
+
+
+def all_features_16() -> dict:
+    """The random 8 x 1024 Arcee's run with every feature of a 16-token prompt (the memory row)."""
+    (run,) = [r for r in attribution_runs("random_arcee") if r["seq"] == 16 and r["max_feature_nodes"] is None]
+    return run
+
+
 # ----------------------------------------------------------------------------------------- parts
 def speed_table() -> str:
     """README.md's Speed and memory table."""
@@ -138,6 +154,7 @@ def speed_table() -> str:
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
     cr, co = circuit_ranges(), corpus()
     gen, gen_hook = generate_ratios()
+    afm, a16 = afm_attribution(), all_features_16()
     li, ho = "layer_input", "attention_head_outputs"
     rows = [
         ("`HookedArcee` forward / transformers `ArceeForCausalLM` (sdpa)", f"{fw['forward']:.3f}x", "<= 1.05x"),
@@ -167,6 +184,11 @@ def speed_table() -> str:
         ("`corpus.harvest` time, Ray with 1 worker / local (4 layers x 256, 262k tokens, wall clock)",
          f"{co['ray1']:.2f}x (2 workers: {co['ray2']:.2f}x)", "<= 1.3x"),
         ("peak memory of a harvest over 10x the corpus / 1x (same batch size)", f"{co['memory']:.3f}x", "<= 1.2x"),
+        (f"peak memory of `attribute` at AFM-4.5B's shape (bf16, 36 transcoders of 8,192 features, 16 tokens, "
+         f"{afm['nodes']} nodes) / checkpoint + transcoders", f"{afm['ratio']:.3f}x, {afm['wall_s'] / 60:.1f} min",
+         "<= 1.5x " + ("met" if afm["ratio"] <= 1.5 else "**not met**")),
+        (f"`attribute` on the random 8 x 1024 Arcee, every feature of 16 tokens ({a16['nodes']} nodes): peak above "
+         "the loaded model", f"{a16['peak_increase_bytes'] / 1e9:.2f} GB, {a16['cpu_s']:.1f} CPU s", ""),
     ]
     lines = ["| | ratio | target |", "|---|---:|---|"] + [f"| {a} | {b} | {t} |" for a, b, t in rows]
     return "\n".join(lines)
@@ -196,7 +218,7 @@ def summary_table() -> str:
     rows = []
     commands = {n: load(n)["command"] for n in ("forward", "forward_overhead", "patching_size_8", "patching_size_32",
                                                  "patching_arcee", "patching_alpha-er", "generate", "circuits",
-                                                 "load_4_5b", "corpus")}
+                                                 "load_4_5b", "corpus", "attribution", "attribution_afm")}
     s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
     cr, co = circuit_ranges(), corpus()
@@ -230,6 +252,10 @@ def summary_table() -> str:
          f"{load_ratio():.3f}"),
         (commands["corpus"], "harvest, Ray 1 worker / local (wall clock)", f"{co['ray1']:.2f} (2 workers: {co['ray2']:.2f})"),
         ("", "peak RSS, 10x the corpus / 1x", f"{co['memory']:.3f}"),
+        (commands["attribution_afm"], "`attribute` at AFM-4.5B's shape: peak RSS / (checkpoint + transcoders)",
+         f"{afm_attribution()['ratio']:.3f}"),
+        (commands["attribution"], "`attribute`, 8 x 1024 Arcee, every feature of 16 tokens: peak above the model "
+         "/ the model's RSS", f"{all_features_16()['peak_increase_bytes'] / all_features_16()['rss_before_bytes']:.3f}"),
     ]
     lines = ["| command | comparison | ratio |", "|---|---|---:|"]
     lines += [f"| {f'`{cmd}`' if cmd else ''} | {what} | {ratio} |" for cmd, what, ratio in rows]
@@ -356,6 +382,45 @@ def corpus_tables() -> str:
     return "\n".join(lines)
 
 
+def attribution_table() -> str:
+    """benchmarks/README.md's attribution sweep: one row per model and prompt length."""
+    r = load("attribution")
+    groups: dict[tuple, list[dict]] = {}
+    for run in attribution_runs("embedded") + attribution_runs("random_arcee"):
+        groups.setdefault((run["model"], run["seq"]), []).append(run)
+    lines = ["| model | transcoders | tokens | features (nodes) | head loadings | CPU s | peak above the loaded model |",
+             "|---|---|---:|---|---|---:|---:|"]
+    for (model, seq), runs in groups.items():
+        first = runs[0]
+        tcs = (f"random TopK, {first['d_transcoder']}, k={first['k']}" if "k" in first
+               else f"shipped ({first['d_transcoder']})")
+        features = " / ".join(("all " if run.get("max_feature_nodes", 0) is None else "") + str(run["features"])
+                              for run in runs)
+        cpu_s = " / ".join(f"{run['cpu_s']:.2f}" for run in runs)
+        peaks = " / ".join(f"{run['peak_increase_bytes'] / 1e9:.2f}" for run in runs)
+        nodes = " / ".join(str(run["nodes"]) for run in runs)
+        lines.append(f"| {model} | {tcs} | {seq} | {features} ({nodes}) | {'on' if first['head_loadings'] else 'off'} | "
+                     f"{cpu_s} | {peaks} GB |")
+    return "\n".join(lines + ["", f"Measured {when(r)}; one thread."])
+
+
+def afm_attribution_table() -> str:
+    r, f = load("attribution_afm"), afm_attribution()
+    budget = f["checkpoint_bytes"] + f["transcoder_bytes"]
+    rows = [("checkpoint (synthetic, bfloat16) + 36 per-layer transcoders of 8,192 features (bfloat16)",
+             f"{f['checkpoint_bytes'] / 1e9:.2f} GB + {f['transcoder_bytes'] / 1e9:.2f} GB = {budget / 1e9:.2f} GB"),
+            ("prompt; features computed (`max_feature_nodes`); nodes",
+             f"{f['seq']} tokens; {f['features']} of the active; {f['nodes']}"),
+            ("resident before the call (model, transcoders, interpreter)", f"{f['rss_before_bytes'] / 1e9:.2f} GB"),
+            ("peak resident during `attribute` (VmHWM)",
+             f"{f['peak_rss_bytes'] / 1e9:.2f} GB = **{f['ratio']:.3f}x** checkpoint + transcoders (target <= 1.5x, "
+             f"{'met' if f['ratio'] <= 1.5 else '**not met**'})"),
+            ("of which above the resident before", f"{f['peak_increase_bytes'] / 1e9:.2f} GB"),
+            ("time", f"{f['cpu_s']:.0f} CPU s, {f['wall_s']:.0f} s wall")]
+    lines = ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines + ["", f"Measured {when(r)}."])
+
+
 PARTS = {
     "speed-table": speed_table,
     "speed-measured": measured,
@@ -369,6 +434,9 @@ PARTS = {
     "circuits-sentence": circuits_sentence,
     "corpus": corpus_tables,
     "corpus-memory": lambda: f"{corpus()['memory']:.3f}x",
+    "attribution": attribution_table,
+    "attribution-afm": afm_attribution_table,
+    "attribution-afm-ratio": lambda: f"{afm_attribution()['ratio']:.3f}x",
 }
 
 

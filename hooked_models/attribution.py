@@ -494,8 +494,9 @@ class _Replica:
                       (prompt.outputs[l], lambda t, hook, l=l: write(t, hook, l))]
             if head_gates:
                 hooks.append((f"layers.{l}.self_attn.attention_head_outputs", lambda t, hook, l=l: gate(t, hook, l)))
-        params = [p for p in model.parameters() if p.requires_grad]
-        try:  # no parameter gradients: the graph is built for the leaves alone
+        # No parameter gradients, the model's or the transcoders': the graph is built for the leaves alone.
+        params = [p for module in (model, tcs) for p in module.parameters() if p.requires_grad]
+        try:
             for p in params:
                 p.requires_grad_(False)
             with torch.enable_grad():
@@ -508,12 +509,19 @@ class _Replica:
         """Rows of the adjacency for the targets whose input directions are given: `grad_inputs[l]`
         [batch seq d_in] at transcoder l's input, `grad_logits` [batch seq vocab] at the logits.
         Columns: features, errors, embeddings (logits, which write nothing, are left out)."""
-        prompt, tcs = self.prompt, self.prompt.transcoders
         outputs = [self.reads[l] for l in grad_inputs] + ([self.logits] if grad_logits is not None else [])
         grads_out = [g.to(o.dtype) for g, o in zip([*grad_inputs.values(), grad_logits], outputs)]
-        leaves = [self.embedding_leaf, *[self.out_leaves[l] for l in range(tcs.n_layers)]]
+        leaves = [self.embedding_leaf, *[self.out_leaves[l] for l in range(len(self.out_leaves))]]
         grads = torch.autograd.grad(outputs, leaves, grads_out, retain_graph=True, allow_unused=True)
         grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+        # The rows are numbers: under no_grad, so that no graph (through a transcoder's weights that
+        # require grad) keeps this pass's gradients alive past it.
+        with torch.no_grad():
+            return self._rows_of(grads)
+
+    def _rows_of(self, grads: Sequence[Tensor]) -> Float[Tensor, "batch source"]:
+        """The rows from the gradients at the leaves: each source's write dotted with its leaf's gradient."""
+        prompt, tcs = self.prompt, self.prompt.transcoders
         dtype = prompt.errors.dtype
         g_embedding, g_out = grads[0].to(dtype), [g.to(dtype) for g in grads[1:]]
         embeddings = (g_embedding * prompt.embedding).sum(-1)
@@ -540,8 +548,9 @@ class _Target:
     direction: Tensor
 
 
-def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_heads: int):
-    """(rows [target source], loadings [target source layer head] or None, skips [target source layer])."""
+def _directions(replica: _Replica, targets: Sequence[_Target]) -> tuple[dict, Tensor | None]:
+    """The targets' input directions as gradients: [batch seq d_in] at each transcoder input read,
+    [batch seq vocab] at the logits (target b in copy b of the prompt)."""
     tcs = replica.prompt.transcoders
     batch, seq = replica.logits.shape[:2]
     device = replica.logits.device
@@ -555,28 +564,35 @@ def _rows(replica: _Replica, targets: Sequence[_Target], head_loadings: bool, n_
             if target.layer not in grad_inputs:
                 grad_inputs[target.layer] = torch.zeros(batch, seq, tcs.d_in, dtype=target.direction.dtype, device=device)
             grad_inputs[target.layer][b, target.pos] = target.direction.to(device)
-    n = len(targets)
-    rows = replica.columns(grad_inputs, grad_logits)[:n]
-    if not head_loadings:
-        return rows, None, None
-    loadings = torch.zeros(n, rows.shape[1], tcs.n_layers, n_heads, dtype=rows.dtype, device=device)
-    skips = torch.zeros(n, rows.shape[1], tcs.n_layers, dtype=rows.dtype, device=device)
+    return grad_inputs, grad_logits
+
+
+def _rows(replica: _Replica, targets: Sequence[_Target]) -> Float[Tensor, "target source"]:
+    return replica.columns(*_directions(replica, targets))[:len(targets)]
+
+
+def _head_parts(replica: _Replica, targets: Sequence[_Target], n_heads: int, columns: Tensor, rows: Tensor,
+                loadings: Tensor, skips: Tensor) -> None:
+    """Write the targets' per-head loadings and skips over the source `columns` into `loadings[rows]`
+    and `skips[rows]`: per attention layer, one backward pass per head (that head alone let through)
+    and one with none let through (the part that skips the layer). Nothing wider than one pass's rows
+    [target source] is held besides the graph's own tensors."""
+    grad_inputs, grad_logits = _directions(replica, targets)
+    device, n, k = replica.logits.device, len(targets), len(columns)
     for layer, holder in replica.gates.items():
         try:
-            for head in range(n_heads + 1):  # head n_heads: none let through, the part that skips the layer
+            for head in range(n_heads, -1, -1):  # head n_heads first: none let through, the skip
                 holder.gate = torch.zeros(n_heads, 1, device=device)
                 if head < n_heads:
                     holder.gate[head] = 1
-                part = replica.columns(grad_inputs, grad_logits)[:n]
-                if head < n_heads:
-                    loadings[:, :, layer, head] = part
+                part = replica.columns(grad_inputs, grad_logits)[:n, columns].cpu()
+                if head == n_heads:
+                    skips[rows, :k, layer] = part.to(skips.dtype)
                 else:
-                    skips[:, :, layer] = part
+                    # A pass letting head h through also carries what skips the layer: counted once, apart.
+                    loadings[rows, :k, layer, head] = (part - skips[rows, :k, layer].to(part.dtype)).to(loadings.dtype)
         finally:
             holder.gate = None
-        # A pass letting head h through also carries what skips the layer: that is counted once, apart.
-        loadings[:, :, layer] -= skips[:, :, layer, None]
-    return rows, loadings, skips
 
 
 def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
@@ -622,7 +638,12 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
     chooses them (by their influence on the logits, estimated from the rows computed so far, in
     batches); the others are not nodes. `batch_size`: targets per backward pass (and copies of the
     prompt held for them). `head_loadings`: also split every edge over each attention layer's heads
-    (one more backward pass per head and layer, plus one per layer).
+    (one more backward pass per head and layer, plus one per layer, for the graph's rows only).
+
+    Memory above the model and transcoders: `batch_size` copies of one frozen forward, one backward
+    pass's gradients at the leaves, the computed rows (targets x sources: with `max_feature_nodes`,
+    only the rows computed) and the graph (nodes², with head loadings nodes² x layers x (heads + 1)).
+    No parameter gradients; nothing outlives a backward pass but its rows.
     """
     tokens = _tokens(model, prompt)
     _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size)
@@ -647,17 +668,17 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
         return _Target(layer, pos, transcoders.encoder(layer)[:, feature].detach().to(dtype))
 
     bar = tqdm(desc="attribution", unit="target", disable=not progress)
-    computed: dict = {}  # target key -> (row, loadings, skips)
+    computed: dict = {}  # target key -> its row over every source
+
+    def target(key) -> _Target:
+        return logit_target(int(key[1])) if key[0] == "logit" else feature_target(key[1])
 
     def compute(keys: list) -> None:
         for start in range(0, len(keys), batch_size):
             chunk = keys[start:start + batch_size]
-            targets = [logit_target(int(k[1])) if k[0] == "logit" else feature_target(k[1]) for k in chunk]
-            rows, loads, skips = _rows(replica, targets, head_loadings, n_heads)
+            rows = _rows(replica, [target(k) for k in chunk]).cpu()  # the graph is assembled on the CPU
             for j, key in enumerate(chunk):
-                # Kept on the CPU: the graph is assembled there.
-                computed[key] = (rows[j].cpu(), None if loads is None else loads[j].cpu(),
-                                 None if skips is None else skips[j].cpu())
+                computed[key] = rows[j].clone()  # its own storage: the batch's rows go with the batch
             bar.update(len(chunk))
 
     logit_keys = [("logit", int(t)) for t in logit_tokens]
@@ -671,20 +692,22 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
         compute(logit_keys)
         selected = _select_features(computed, logit_keys, logit_probs, n_active, max_feature_nodes, batch_size, compute)
 
-    # Assemble over the selected features: columns of the others dropped.
+    # Assemble over the selected features: columns of the others dropped, each row released as placed.
     keep_columns = torch.cat([selected, torch.arange(n_active, n_sources)])
     n_nodes = len(selected) + n_layers * seq + seq + len(logit_keys)
     adjacency = torch.zeros(n_nodes, n_nodes, dtype=dtype)
-    loadings = torch.zeros(n_nodes, n_nodes, n_layers, n_heads, dtype=dtype) if head_loadings else None
-    skips = torch.zeros(n_nodes, n_nodes, n_layers, dtype=dtype) if head_loadings else None
-    row_keys = [("feature", int(i)) for i in selected]
-    logit_rows = range(n_nodes - len(logit_keys), n_nodes)
-    for r, key in [*enumerate(row_keys), *zip(logit_rows, logit_keys)]:
-        row, load, skip = computed[key]
-        adjacency[r, :len(keep_columns)] = row[keep_columns]
-        if head_loadings:
-            loadings[r, :len(keep_columns)] = load[keep_columns]
-            skips[r, :len(keep_columns)] = skip[keep_columns]
+    placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
+              *zip(range(n_nodes - len(logit_keys), n_nodes), logit_keys)]
+    for r, key in placed:
+        adjacency[r, :len(keep_columns)] = computed.pop(key)[keep_columns]
+    loadings = skips = None
+    if head_loadings:  # the graph's rows only, its columns only, written in place batch by batch
+        loadings = torch.zeros(n_nodes, n_nodes, n_layers, n_heads, dtype=dtype)
+        skips = torch.zeros(n_nodes, n_nodes, n_layers, dtype=dtype)
+        for start in range(0, len(placed), batch_size):
+            chunk = placed[start:start + batch_size]
+            _head_parts(replica, [target(key) for _, key in chunk], n_heads, keep_columns,
+                        torch.tensor([r for r, _ in chunk]), loadings, skips)
     bar.close()
     try:
         str_tokens, logit_str_tokens = model.to_str_tokens(tokens[0]), model.to_str_tokens(logit_tokens)
@@ -704,23 +727,36 @@ def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = Non
 def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
                      batch_size: int, compute) -> Tensor:
     """circuit-tracer's feature selection: rank the features not yet computed by their influence on the
-    logits through the rows computed so far, compute the top batch, repeat until `budget` are."""
+    logits through the rows computed so far, compute the top batch, repeat until `budget` are. Only the
+    computed rows are held ([computed source], never a dense [source source] matrix)."""
     done: list[int] = []
     while len(done) < budget:
-        n_sources = next(iter(computed.values()))[0].shape[0]
-        matrix = torch.zeros(n_sources + len(logit_keys), n_sources + len(logit_keys))
-        weights = torch.zeros(matrix.shape[0])
-        for j, key in enumerate(logit_keys):
-            matrix[n_sources + j, :n_sources] = computed[key][0]
-            weights[n_sources + j] = logit_probs[j]
-        for i in done:
-            matrix[i, :n_sources] = computed[("feature", i)][0]
-        influence = _influence(_normalized(matrix), weights)[:n_active]
+        rows = torch.stack([computed[key] for key in [*logit_keys, *[("feature", i) for i in done]]]).float()
+        own_column = torch.tensor([-1] * len(logit_keys) + done, dtype=torch.long)
+        weights = torch.cat([logit_probs.float().cpu(), torch.zeros(len(done))])
+        influence = _influence_of_rows(_normalized(rows), own_column, weights)[:n_active]
         influence[done] = -1
         take = influence.argsort(descending=True)[:min(batch_size, budget - len(done))].tolist()
         compute([("feature", i) for i in take])
         done.extend(take)
     return torch.tensor(sorted(done), dtype=torch.long)
+
+
+def _influence_of_rows(normalized: Float[Tensor, "row source"], own_column: Int[Tensor, " row"],
+                       weights: Float[Tensor, " row"]) -> Float[Tensor, " source"]:
+    """`_influence` of a graph of which only these rows are nonzero: row r is node `own_column[r]` as a
+    source (-1: a logit, no source), `weights` the rows' output weights. The same series, each step
+    carried from the sources back to the rows that are those sources."""
+    total = current = weights @ normalized
+    is_source = own_column >= 0
+    for _ in range(normalized.shape[0]):
+        at_rows = torch.zeros_like(weights)
+        at_rows[is_source] = current[own_column[is_source]]
+        if not bool(at_rows.any()):
+            break
+        current = at_rows @ normalized
+        total = total + current
+    return total
 
 
 # ----------------------------------------------------------------------------------- intervention

@@ -328,3 +328,46 @@ def test_bad_input_is_refused_with_the_value(tl_model_factory, bad, message):
         kwargs["max_feature_nodes"] = 0
     with pytest.raises(ValueError, match=message):
         attribute(model, tokens, tcs, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ memory
+def test_the_selections_influence_from_the_computed_rows_alone_is_the_dense_graphs():
+    """`max_feature_nodes` ranks features by `_influence_of_rows` over the rows computed so far; it must
+    equal `_influence` of the dense [node node] matrix those rows make (which it avoids building)."""
+    from hooked_models.attribution import _influence, _influence_of_rows, _normalized
+
+    generator = torch.Generator().manual_seed(0)
+    n_sources, done, n_logits = 40, [3, 17, 8, 29, 0], 3
+    rows = torch.randn(n_logits + len(done), n_sources, generator=generator)
+    rows[:, 35:] = 0.1  # errors and embeddings: every row reads them
+    for r, i in enumerate(done):  # acyclic: a feature reads only features before it
+        rows[n_logits + r, i:35] = 0
+    dense = torch.zeros(n_sources + n_logits, n_sources + n_logits)
+    dense[n_sources:, :n_sources] = rows[:n_logits]
+    for r, i in enumerate(done):
+        dense[i, :n_sources] = rows[n_logits + r]
+    weights = torch.zeros(n_sources + n_logits)
+    weights[n_sources:] = torch.tensor([0.5, 0.3, 0.2])
+    expected = _influence(_normalized(dense), weights)[:n_sources]
+    own_column = torch.tensor([-1] * n_logits + done)
+    got = _influence_of_rows(_normalized(rows), own_column, torch.cat([weights[n_sources:], torch.zeros(len(done))]))
+    assert expected[done].abs().min() > 0  # the chosen features' own influence is part of the series
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_no_backward_pass_leaves_a_graph_behind(setup, monkeypatch):
+    """The rows of each batch are plain numbers: with the transcoders' weights requiring grad (as after
+    training), a row that kept an autograd graph would keep that pass's gradients alive (the memory then
+    grew by batch x seq x hidden_size x layers per batch). And no parameter collects a gradient."""
+    import hooked_models.attribution as attribution
+
+    model, tcs, tokens, _ = setup
+    assert all(p.requires_grad for p in tcs.parameters())
+    returned = []
+    columns = attribution._Replica.columns
+    monkeypatch.setattr(attribution._Replica, "columns",
+                        lambda self, *a: returned.append(columns(self, *a)) or returned[-1])
+    attribute(model, tokens, tcs, max_feature_nodes=12, batch_size=8)
+    assert returned and not any(rows.requires_grad or rows.grad_fn is not None for rows in returned)
+    assert all(p.grad is None for module in (model, tcs) for p in module.parameters())
+    assert all(p.requires_grad for p in tcs.parameters())  # given back as they were
