@@ -356,6 +356,33 @@ def corpus_tables() -> str:
     return "\n".join(lines)
 
 
+def circuit_tracer_table() -> str:
+    r = load("circuit_tracer_compare")
+    f = r["figures"]
+    lines = ["| transcoders | features (nodes compared) | edges | max \\|diff\\| / max \\|edge\\| | hooked_models | "
+             "circuit-tracer | circuit-tracer / ours |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for width, c in f["cases"].items():
+        if not c["node_sets_equal"]:
+            lines.append(f"| {width} JumpReLU + skip | node sets differ | | | | | |")
+            continue
+        lines.append(f"| {width} JumpReLU + skip | {c['features']:,} ({c['nodes_compared']:,}) | {c['edges_nonzero']:,} | "
+                     f"{c['max_abs_diff_relative']:.1e} | {ms(c['hooked_models']['cpu_s'])} | "
+                     f"{ms(c['circuit_tracer']['cpu_s'])} | **{c['speed_up_cpu']:.2f}x** |")
+    versions = next(iter(f["cases"].values()))["circuit_tracer_versions"]
+    return "\n".join(lines + ["", f"Measured {when(r)}; circuit-tracer {versions['circuit-tracer']}, nnsight "
+                                   f"{versions['nnsight']}, transformers {versions['transformers']}; {f['tokens']} "
+                                   f"tokens, {len(next(iter(f['cases'].values()))['logit_tokens'])} logits, batch "
+                                   f"{f['batch_size']}, median of {f['rounds']} calls."])
+
+
+def circuit_tracer_sentence() -> str:
+    cases = load("circuit_tracer_compare")["figures"]["cases"].values()
+    worst = max(c["max_abs_diff_relative"] for c in cases)
+    ratios = sorted(c["speed_up_cpu"] for c in cases)
+    return (f"the same nodes and edges within {worst:.1e} of the largest edge, in {1 / ratios[-1]:.2f}-"
+            f"{1 / ratios[0]:.2f}x circuit-tracer's CPU time")
+
+
 PARTS = {
     "speed-table": speed_table,
     "speed-measured": measured,
@@ -369,6 +396,8 @@ PARTS = {
     "circuits-sentence": circuits_sentence,
     "corpus": corpus_tables,
     "corpus-memory": lambda: f"{corpus()['memory']:.3f}x",
+    "circuit-tracer": circuit_tracer_table,
+    "circuit-tracer-sentence": circuit_tracer_sentence,
 }
 
 
