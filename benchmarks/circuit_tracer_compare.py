@@ -1,4 +1,4 @@
-"""Side by side with circuit-tracer: the same attribution graph on the embedded Arcee, and the time ratio.
+"""Side by side with circuit-tracer: the same attribution graph on Arcee models, and the time ratio.
 
     python benchmarks/circuit_tracer_compare.py --threads 1          # needs .ci/ct-env (see below)
 
@@ -6,17 +6,19 @@ circuit-tracer (0.5.0) cannot share an environment with this package (its nnsigh
 transformers <= 4.57.3, this package >= 5), so the script runs in two halves:
 - `--side` runs in the side environment .ci/ct-env (torch 2.13 CPU, transformers 4.57, circuit-tracer
   0.5.0 from PyPI: `bash .ci/ct-env.sh` builds it). It imports nothing of this package: it loads the
-  embedded Arcee from its directory with circuit-tracer's `NNSightReplacementModel`, Llama's nnsight
+  model from its directory with circuit-tracer's `NNSightReplacementModel`, Llama's nnsight
   mapping registered for `ArceeForCausalLM` (Arcee is Llama with another MLP: the same module paths, the
   same RMSNorm and eager attention source), loads the transcoders with its own `load_transcoder_set`,
   times `attribute` and saves the adjacency, the nodes and the timing to a .pt file.
-- The main half (this environment) writes the transcoders, starts the side half, computes
-  `hooked_models.attribution.attribute` on the same tokens, compares, and writes
-  benchmarks/results/circuit_tracer_compare.json.
+- The main half (this environment) writes the transcoders (and, for the second model, the checkpoint),
+  starts the side half, computes `hooked_models.attribution.attribute` on the same tokens, compares,
+  and writes benchmarks/results/circuit_tracer_compare.json.
 
-Transcoders: random per-layer JumpReLU transcoders with skip connections and non-zero biases, written
-by `TranscoderSet.save` (circuit-tracer's layout). Not the shipped TopK ones: circuit-tracer's file
-loader (`load_relu_transcoder`) knows ReLU and JumpReLU only (a `k` tensor fails its strict
+Models: the embedded Arcee (transcoders 256 and 1024 wide), and a random 8-layer, 1024-wide GQA Arcee
+over the embedded tokenizer (`--random-width` features, 4096; 0 skips it), written by
+`save_arcee_checkpoint`, which transformers 4.57 reads. Transcoders: random per-layer JumpReLU
+transcoders with skip connections and non-zero biases, written by `TranscoderSet.save` (circuit-tracer's
+layout). Not the shipped TopK ones: circuit-tracer's file loader (`load_relu_transcoder`) knows ReLU and JumpReLU only (a `k` tensor fails its strict
 `load_state_dict`), and its `TopK` keeps negative pre-activations where ours (`topk_relu`) zeroes them.
 
 Conventions reconciled (each checked by the comparison, not assumed):
@@ -104,10 +106,10 @@ def side(args) -> None:
 
 
 # ------------------------------------------------------------------------------------ the main half
-def jumprelu_transcoders(model, d_transcoder: int, seed: int):
+def jumprelu_transcoders(model, d_transcoder: int, seed: int, threshold: float = 1.3):
     """Random per-layer JumpReLU transcoders with skip connections, every parameter non-trivial:
-    unit decoder rows, the encoder their transpose, biases and thresholds random (about one in twelve of the
-    features fire at a position)."""
+    unit decoder rows, the encoder their transpose, biases random, thresholds uniform in [threshold,
+    threshold + 0.4] (1.3 on the embedded Arcee: about one in twelve of the features fire at a position)."""
     from hooked_models.transcoders import Transcoder, TranscoderSet, init_transcoder_
 
     generator = torch.Generator().manual_seed(seed)
@@ -120,7 +122,7 @@ def jumprelu_transcoders(model, d_transcoder: int, seed: int):
             tc.b_enc.copy_(0.1 * torch.randn(d_transcoder, generator=generator))
             tc.b_dec.copy_(0.1 * torch.randn(d, generator=generator))
             tc.W_skip.copy_(0.05 * torch.randn(d, d, generator=generator))
-            tc.threshold.copy_(1.3 + 0.4 * torch.rand(d_transcoder, generator=generator))
+            tc.threshold.copy_(threshold + 0.4 * torch.rand(d_transcoder, generator=generator))
         layers.append(tc)
     return TranscoderSet(layers, model=model)
 
@@ -165,13 +167,16 @@ def compare(ours, theirs: dict) -> dict:
     }
 
 
-def side_by_side(model, prompt: str, d_transcoder: int, *, batch_size: int = 64, rounds: int = 5,
-                 desired_logit_prob: float = 0.95, threads: int | None = None, seed: int = 0,
-                 side_python: Path = SIDE_PYTHON) -> dict:
-    """One case: random JumpReLU transcoders of width `d_transcoder` for `model` (the embedded Arcee),
-    circuit-tracer's graph of `prompt` from the side environment, ours here, compared and timed."""
+def side_by_side(model, prompt: str, d_transcoder: int, *, checkpoint: Path | None = None, threshold: float = 1.3,
+                 batch_size: int = 64, rounds: int = 5, desired_logit_prob: float = 0.95, threads: int | None = None,
+                 seed: int = 0, side_python: Path = SIDE_PYTHON) -> dict:
+    """One case: random JumpReLU transcoders of width `d_transcoder` for `model`, loaded by circuit-tracer
+    from `checkpoint` (default: the embedded Arcee's directory), its graph of `prompt` from the side
+    environment, ours here, compared and timed."""
     from hooked_models.attribution import attribute
     from hooked_models.embedded import embedded_checkpoint
+
+    checkpoint = embedded_checkpoint("arcee") if checkpoint is None else checkpoint
 
     if not Path(side_python).exists():
         raise FileNotFoundError(f"{side_python} not found: build the side environment with `bash .ci/ct-env.sh`")
@@ -179,11 +184,11 @@ def side_by_side(model, prompt: str, d_transcoder: int, *, batch_size: int = 64,
     if int(tokens[0, 0]) != model.tokenizer.bos_token_id:
         raise ValueError(f"the prompt's tokens start with {int(tokens[0, 0])}, not BOS: circuit-tracer would "
                          "prepend one")
-    transcoders = jumprelu_transcoders(model, d_transcoder, seed)
+    transcoders = jumprelu_transcoders(model, d_transcoder, seed, threshold)
     with tempfile.TemporaryDirectory() as tmp:
         transcoders.save(Path(tmp) / "transcoders")
         out = Path(tmp) / "circuit_tracer_graph.pt"
-        command = [str(side_python), __file__, "--side", "--model", str(embedded_checkpoint("arcee")),
+        command = [str(side_python), __file__, "--side", "--model", str(checkpoint),
                    "--transcoders", str(Path(tmp) / "transcoders"), "--tokens", json.dumps(tokens[0].tolist()),
                    "--out", str(out), "--batch-size", str(batch_size), "--rounds", str(rounds),
                    "--desired-logit-prob", str(desired_logit_prob)]
@@ -208,6 +213,24 @@ def side_by_side(model, prompt: str, d_transcoder: int, *, batch_size: int = 64,
     return figures
 
 
+def random_arcee(directory: Path, tokenizer, seed: int = 0):
+    """A random 8-layer, 1024-wide GQA Arcee (the benchmarks' shape, benchmarks/common.py) over the embedded
+    tokenizer's 127 tokens, written to `directory` as transformers 4.57 reads it and loaded back from there."""
+    from transformers import ArceeForCausalLM
+
+    from benchmarks.common import hf_arcee_config, randomize_
+    from hooked_models import HookedArcee
+    from weight_conversion.arcee import save_arcee_checkpoint
+
+    shape = argparse.Namespace(vocab=len(tokenizer), hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2,
+                               head_dim=128)
+    torch.manual_seed(seed)
+    model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)), seed))
+    model.tokenizer = tokenizer
+    save_arcee_checkpoint(model, directory)
+    return HookedArcee.from_pretrained(directory).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--side", action="store_true", help="the circuit-tracer half (run in .ci/ct-env)")
@@ -220,11 +243,15 @@ def main() -> None:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--d-transcoder", type=int, nargs="+", default=[256, 1024],
                         help="transcoder widths, one case each (default: %(default)s)")
+    parser.add_argument("--random-width", type=int, default=4096,
+                        help="also a random 8 x 1024 Arcee with transcoders this wide (0: not)")
+    parser.add_argument("--random-threshold", type=float, default=2.8,
+                        help="its JumpReLU thresholds' lower end (default: %(default)s)")
     parser.add_argument("--desired-logit-prob", type=float, default=0.99999,
                         help="both sides' logit cover (default: %(default)s: ten logits on the confident "
                              "embedded model)")
     parser.add_argument("--batch-size", type=int, default=64, help="targets per backward pass, both sides")
-    parser.add_argument("--rounds", type=int, default=5, help="timed calls after a warm-up; the median is reported")
+    parser.add_argument("--rounds", type=int, default=3, help="timed calls after a warm-up; the median is reported")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, both sides (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", default="circuit_tracer_compare",
@@ -240,18 +267,27 @@ def main() -> None:
     from hooked_models.families import load_model
 
     results = Results(args.results)
-    model = load_model("embedded", family="arcee")
-    cases = {}
+    embedded = load_model("embedded", family="arcee")
+    cases = []
+
+    def run(label: str, model, width: int, **kwargs) -> None:
+        case = side_by_side(model, args.prompt, width, batch_size=args.batch_size, rounds=args.rounds,
+                            desired_logit_prob=args.desired_logit_prob, threads=args.threads, seed=args.seed,
+                            side_python=args.side_python, **kwargs)
+        cases.append({"model": label, **case})
+        print(f"{label}, d_transcoder {width}: {json.dumps(case, indent=1)}")
+
     for width in args.d_transcoder:
-        cases[str(width)] = side_by_side(model, args.prompt, width, batch_size=args.batch_size, rounds=args.rounds,
-                                         desired_logit_prob=args.desired_logit_prob, threads=args.threads,
-                                         seed=args.seed, side_python=args.side_python)
-        print(f"d_transcoder {width}: {json.dumps(cases[str(width)], indent=1)}")
-    results.save({"prompt": args.prompt, "tokens": int(model.to_tokens(args.prompt).shape[1]),
+        run("embedded Arcee (2 layers, hidden 64)", embedded, width)
+    if args.random_width:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = random_arcee(Path(tmp) / "arcee", embedded.tokenizer, args.seed)
+            run("random Arcee (8 layers, hidden 1024)", model, args.random_width, checkpoint=Path(tmp) / "arcee",
+                threshold=args.random_threshold)
+    results.save({"prompt": args.prompt, "tokens": int(embedded.to_tokens(args.prompt).shape[1]),
                   "batch_size": args.batch_size, "rounds": args.rounds, "desired_logit_prob": args.desired_logit_prob,
                   "transcoders": "random per-layer JumpReLU, skip connections, saved by TranscoderSet.save",
                   "cases": cases})
-
 
 if __name__ == "__main__":
     main()
