@@ -421,6 +421,37 @@ def afm_attribution_table() -> str:
     return "\n".join(lines + ["", f"Measured {when(r)}."])
 
 
+def circuit_tracer_table() -> str:
+    r = load("circuit_tracer_compare")
+    f = r["figures"]
+    lines = ["| model | transcoders | features (nodes compared) | edges | max \\|diff\\| / max \\|edge\\| | "
+             "activations max \\|diff\\| | hooked_models | circuit-tracer | circuit-tracer / ours |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in f["cases"]:
+        head = f"| {c['model']} | {c['d_transcoder']} JumpReLU + skip |"
+        if not c["node_sets_equal"]:
+            lines.append(f"{head} node sets differ | | | | | | |")
+            continue
+        lines.append(f"{head} {c['features']:,} ({c['nodes_compared']:,}) | {c['edges_nonzero']:,} | "
+                     f"{c['max_abs_diff_relative']:.1e} | {c['max_abs_activation_diff']:.1e} | "
+                     f"{ms(c['hooked_models']['cpu_s'])} | "
+                     f"{ms(c['circuit_tracer']['cpu_s'])} | **{c['speed_up_cpu']:.2f}x** |")
+    first = f["cases"][0]
+    versions = first["circuit_tracer_versions"]
+    return "\n".join(lines + ["", f"Measured {when(r)}; circuit-tracer {versions['circuit-tracer']}, nnsight "
+                                   f"{versions['nnsight']}, transformers {versions['transformers']}; {f['tokens']} "
+                                   f"tokens, {len(first['logit_tokens'])} logits, batch {f['batch_size']}, median of "
+                                   f"{f['rounds']} calls after a warm-up."])
+
+
+def circuit_tracer_sentence() -> str:
+    cases = load("circuit_tracer_compare")["figures"]["cases"]
+    worst = max(c["max_abs_diff_relative"] for c in cases)
+    ratios = sorted(c["speed_up_cpu"] for c in cases)
+    return (f"the same nodes and edges within {worst:.1e} of the largest edge, in {1 / ratios[-1]:.2f}-"
+            f"{1 / ratios[0]:.2f}x circuit-tracer's CPU time")
+
+
 PARTS = {
     "speed-table": speed_table,
     "speed-measured": measured,
@@ -437,6 +468,8 @@ PARTS = {
     "attribution": attribution_table,
     "attribution-afm": afm_attribution_table,
     "attribution-afm-ratio": lambda: f"{afm_attribution()['ratio']:.3f}x",
+    "circuit-tracer": circuit_tracer_table,
+    "circuit-tracer-sentence": circuit_tracer_sentence,
 }
 
 
