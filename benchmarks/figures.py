@@ -452,6 +452,31 @@ def circuit_tracer_sentence() -> str:
             f"{1 / ratios[0]:.2f}x circuit-tracer's CPU time")
 
 
+def transcoder_training() -> dict:
+    """Training transcoders from a harvest of 1x and 10x the corpus: each run's figures and the 10x / 1x peaks."""
+    f = load("transcoders")["figures"]
+    return {**f, "anon": f["x10"]["peak_anon_bytes"] / f["x1"]["peak_anon_bytes"],
+            "rss": f["x10"]["peak_rss_bytes"] / f["x1"]["peak_rss_bytes"]}
+
+
+def transcoder_memory() -> str:
+    """README.md's Transcoders bullet: the 10x / 1x peaks."""
+    t = transcoder_training()
+    return f"{t['anon']:.2f}x the peak anonymous memory; the peak RSS, {t['rss']:.2f}x"
+
+
+def transcoder_training_text() -> str:
+    """benchmarks/README.md's paragraph on the trainer's memory."""
+    r, t = load("transcoders"), transcoder_training()
+    x1, x10 = t["x1"], t["x10"]
+    return (f"Over {x1['tokens']:,} and {x10['tokens']:,} tokens: peak anonymous memory "
+            f"{x1['peak_anon_bytes'] / 1e6:.0f} MB and {x10['peak_anon_bytes'] / 1e6:.0f} MB (**{t['anon']:.2f}x**), "
+            f"CPU {x1['cpu_s']:.2f} s and {x10['cpu_s']:.2f} s. Peak RSS (VmHWM) is "
+            f"{x1['peak_rss_bytes'] / 1e6:.0f} MB and {x10['peak_rss_bytes'] / 1e6:.0f} MB ({t['rss']:.2f}x): it counts\n"
+            "the file pages of the memory-mapped dataset that the random row reads brought in, page cache the kernel\n"
+            f"reclaims under pressure, not memory the trainer holds. Measured {when(r)}; one thread.")
+
+
 PARTS = {
     "speed-table": speed_table,
     "speed-measured": measured,
@@ -469,6 +494,8 @@ PARTS = {
     "attribution-afm": afm_attribution_table,
     "attribution-afm-ratio": lambda: f"{afm_attribution()['ratio']:.3f}x",
     "circuit-tracer": circuit_tracer_table,
+    "transcoders": transcoder_training_text,
+    "transcoders-memory": transcoder_memory,
     "circuit-tracer-sentence": circuit_tracer_sentence,
 }
 

@@ -7,7 +7,8 @@ the same transcoders (same steps and batch) from each in a child process and rep
 peak anonymous memory (RssAnon, sampled every 5 ms: what the process allocates) and its peak resident
 memory (VmHWM), which also counts the pages of the memory-mapped dataset the reads touched (file-backed
 page cache, which the kernel reclaims under pressure). The trainer reads one batch of rows at a time, so
-the anonymous peak should not grow with the corpus. Results go to benchmarks/transcoders.json.
+the anonymous peak should not grow with the corpus. Results go to benchmarks/results/transcoders.json,
+from which benchmarks/figures.py renders the READMEs' figures.
 """
 
 import argparse
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import memory  # noqa: E402
+from benchmarks.common import Results, memory  # noqa: E402
 
 
 def child(harvest: str, steps: int) -> None:
@@ -54,7 +55,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4096, help="the 1x corpus (IOI prompts of 16 tokens)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/transcoder_bench"))
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("transcoders.json"))
     parser.add_argument("--child", nargs=2, metavar=("HARVEST", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -63,6 +63,7 @@ def main() -> None:
     from hooked_models.embedded.task import make_ioi_prompts
     from hooked_models.transcoders import input_hook_name, output_hook_name
 
+    record = Results("transcoders")
     names = [n for layer in range(2) for n in (input_hook_name(layer), output_hook_name(layer))]
     results = {}
     try:
@@ -79,7 +80,7 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
     for field in ("peak_anon_bytes", "peak_rss_bytes"):
         results[f"{field}_10x_over_1x"] = round(results["x10"][field] / results["x1"][field], 3)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    record.save(results)
     print(results)
 
 

@@ -4,17 +4,15 @@ constants, each MLP's output replaced by its transcoder's decoding of fixed acti
 error), on tiny random models of both families with random transcoders (skip connections, biases)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: the schema sits beside this file
-import circuit_tracer_schema as schema  # noqa: E402
-
-from hooked_models.attribution import AttributionGraph, attribute, feature_intervention  # noqa: E402
-from hooked_models.transcoders import CrossLayerTranscoder, Transcoder, TranscoderSet, init_transcoder_  # noqa: E402
+from hooked_models.attribution import AttributionGraph, attribute, feature_intervention
+# circuit-tracer's graph-file schema, its pydantic models transcribed field for field (circuit-tracer itself
+# cannot be imported beside this package: it imports TransformerLens's removed HookedTransformer).
+from hooked_models.explorer.graph_file import GraphFile, Link
+from hooked_models.transcoders import CrossLayerTranscoder, Transcoder, TranscoderSet, init_transcoder_
 
 SEQ = 8  # a multiple of alpha-er's experts
 
@@ -262,9 +260,9 @@ def test_json_validates_against_circuit_tracers_schema_and_round_trips(setup, tm
     pruned = graph.prune(0.8, 0.98)
     path = pruned.to_json(tmp_path / "graph.json")
     data = json.loads(path.read_text())
-    parsed = schema.Model(**data)
+    parsed = GraphFile(**data)
     for link in data["links"]:
-        schema.Link(**link)
+        Link(**link)
     ids = {n.node_id for n in parsed.nodes}
     assert len(ids) == len(parsed.nodes)
     assert all(link["source"] in ids and link["target"] in ids for link in data["links"])
