@@ -327,6 +327,12 @@ def patching_table() -> str:
     return "\n".join(lines)
 
 
+def key_value_table(rows: list[tuple[str, str]], record: dict) -> str:
+    """A two-column table of (what, figure) rows, then when and under what load they were measured."""
+    lines = ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines + ["", f"Measured {when(record)}."])
+
+
 def load_table() -> str:
     r = load("load_4_5b")
     f = r["figures"]
@@ -336,8 +342,7 @@ def load_table() -> str:
              f"{f['peak_rss_after_load'] / 1e9:.2f} GB = **{load_ratio():.3f}x** the checkpoint (target <= 1.15x)"),
             ("of which interpreter + imports before loading", f"{f['baseline_rss'] / 1e9:.2f} GB"),
             ("bfloat16 forward, 1 x 16 tokens, CPU", f"{f['forward_s']:.1f} s, finite logits: {f['logits_finite']}")]
-    lines = ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows]
-    return "\n".join(lines + ["", f"Measured {when(r)}."])
+    return key_value_table(rows, r)
 
 
 def circuits_table() -> str:
@@ -417,8 +422,7 @@ def afm_attribution_table() -> str:
              f"{'met' if f['ratio'] <= 1.5 else '**not met**'})"),
             ("of which above the resident before", f"{f['peak_increase_bytes'] / 1e9:.2f} GB"),
             ("time", f"{f['cpu_s']:.0f} CPU s, {f['wall_s']:.0f} s wall")]
-    lines = ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows]
-    return "\n".join(lines + ["", f"Measured {when(r)}."])
+    return key_value_table(rows, r)
 
 
 def circuit_tracer_table() -> str:
