@@ -17,6 +17,7 @@ _PUBLIC = {
     "HookedActivationCache": "hooked_models.cache",
     "ALPHA_ER": "hooked_models.families.alpha_er",
     "AlphaErConfig": "hooked_models.families.alpha_er",
+    "AlphaErForCausalLM": "hooked_models.alpha_er_transformers",
     "HookedAlphaEr": "hooked_models.families.alpha_er",
     "AFM_4_5B": "hooked_models.families.arcee",
     "AFM_4_5B_PRE_ANNEAL": "hooked_models.families.arcee",
@@ -30,6 +31,7 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
+    from hooked_models.alpha_er_transformers import AlphaErForCausalLM
     from hooked_models.cache import HookedActivationCache
     from hooked_models.families.alpha_er import ALPHA_ER, AlphaErConfig, HookedAlphaEr
     from hooked_models.families.arcee import AFM_4_5B, AFM_4_5B_PRE_ANNEAL, ArceeConfig, HookedArcee

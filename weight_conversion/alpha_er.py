@@ -151,12 +151,13 @@ def hooked_to_reference_state_dict(model: HookedModel) -> dict[str, torch.Tensor
 Build = Callable[[AlphaErConfig], HookedModel]
 
 
-def _build(cfg: AlphaErConfig, triples: Iterator[tuple[str, str, torch.Tensor]], dtype, device,
-           build: Build) -> HookedModel:
-    """Build on the meta device and stream the tensors in: every target filled, each shape checked."""
+def build_alpha_er(cfg: AlphaErConfig, triples: Iterator[tuple[str, str, torch.Tensor]], dtype, device,
+                   build: Build, rename: Callable[[str], str] = convert_alpha_er_name) -> HookedModel:
+    """Build on the meta device and stream the tensors in: every target filled, each shape checked.
+    `rename` maps a source tensor name to the hooked one (by default, the reference's names)."""
     cfg.dtype, cfg.device = dtype, torch.device(device)
     model = build(cfg)
-    stream_into(model, triples, rename=convert_alpha_er_name, dtype=dtype, device=device)
+    stream_into(model, triples, rename=rename, dtype=dtype, device=device)
     model.setup()
     return model.eval()
 
@@ -183,7 +184,7 @@ def load_from_reference(module: nn.Module, dtype: torch.dtype | str | None = Non
     dtype, device = dtype or first.dtype, device or first.device
     source = type(module).__name__
     triples = ((source, name, tensor.detach().clone()) for name, tensor in module.state_dict().items())
-    return _build(cfg, triples, dtype, device, build)
+    return build_alpha_er(cfg, triples, dtype, device, build)
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -247,7 +248,7 @@ def load_alpha_er_checkpoint(path, dtype: torch.dtype | str | None = None, devic
         cfg = _checkpoint_config(file)
     except CheckpointError as error:  # name the file, whichever of its fields was at fault
         raise CheckpointError(error if str(file) in str(error) else f"{file}: {error}") from None
-    model = _build(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu", build)
+    model = build_alpha_er(cfg, _tensors(file), dtype or cfg.dtype, device or "cpu", build)
     model.tokenizer = load_tokenizer(file.parent, foreign_config=True)
     return model
 

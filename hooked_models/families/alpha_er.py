@@ -50,7 +50,8 @@ ALPHA_ER = AlphaErConfig()
 class HookedAlphaEr(HookedModel):
     """A hooked alpha-er: the standard module tree and vocabulary, exact against the reference.
 
-    Load with `HookedAlphaEr.from_pretrained(path)` or `HookedAlphaEr.from_reference(module)`.
+    Load with `HookedAlphaEr.from_pretrained(path)` (either checkpoint format), `HookedAlphaEr.from_reference(module)`
+    or `HookedAlphaEr.from_hf(model)` (a transformers `AlphaErForCausalLM`).
 
     With a key/value cache (`past_kv_cache`) the new positions end the sequence: position t of the
     cached + new T goes to expert floor(t·G/T), so the cached keys and values must come from a run
@@ -203,28 +204,50 @@ class HookedAlphaEr(HookedModel):
         return load_from_reference(module, dtype=dtype, device=device, build=_build_on_meta)
 
     @classmethod
+    def from_hf(cls, hf_model, dtype: torch.dtype | str | None = None, device=None) -> "HookedAlphaEr":
+        """From an in-memory transformers `AlphaErForCausalLM` (hooked_models.alpha_er_transformers; the
+        weights are copied), as `HookedArcee.from_hf` takes an `ArceeForCausalLM`."""
+        from weight_conversion.alpha_er_transformers import load_from_transformers_model
+
+        return load_from_transformers_model(hf_model, dtype=dtype, device=device, build=_build_on_meta)
+
+    @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None) -> "HookedAlphaEr":
-        """From a checkpoint: a safetensors file whose header metadata carries the config fields (or
-        with a config.json beside it), a torch state-dict file with a config.json beside it, or a
-        directory holding either. `dtype` is a torch dtype or a name ("bfloat16", "bf16", "fp16":
-        hooked_models.dtypes); `device` must exist here ("cuda" without CUDA is a ValueError naming
-        the devices there are).
+        """From a checkpoint in either format: the reference's (a safetensors file whose header metadata
+        carries the config fields, or with a config.json beside it; a torch state-dict file with a
+        config.json beside it; a directory holding either) or the transformers one that
+        `save_pretrained(path, format="transformers")` or `AlphaErForCausalLM.save_pretrained` writes.
+        `dtype` is a torch dtype or a name ("bfloat16", "bf16", "fp16": hooked_models.dtypes); `device`
+        must exist here ("cuda" without CUDA is a ValueError naming the devices there are).
 
         `"embedded"` names the small IOI model shipped in the package (`hooked_models.embedded`), a
         safetensors file with its config in the header, loaded by the same code."""
         from hooked_models.embedded import resolve_embedded
-        from weight_conversion.alpha_er import load_alpha_er_checkpoint
+        from weight_conversion.alpha_er_transformers import load_alpha_er
 
-        return load_alpha_er_checkpoint(resolve_embedded(path, "alpha_er"), dtype=dtype, device=device,
-                                        build=_build_on_meta)
+        return load_alpha_er(resolve_embedded(path, "alpha_er"), dtype=dtype, device=device, build=_build_on_meta)
 
-    def save_pretrained(self, path) -> None:
-        """Write the reference's checkpoint format: safetensors, config fields in the header metadata.
-        A path ending in .safetensors is the file; otherwise a directory gets model.safetensors and
-        config.json."""
-        from weight_conversion.alpha_er import save_alpha_er_checkpoint
+    def save_pretrained(self, path, format: str = "reference") -> None:
+        """Write a checkpoint. `format="reference"`: the reference's, safetensors with the config fields
+        in the header metadata (a path ending in .safetensors is the file; otherwise a directory gets
+        model.safetensors and config.json). `format="transformers"`: the directory
+        `AlphaErForCausalLM.save_pretrained` writes, with its two source files as remote code."""
+        if format == "reference":
+            from weight_conversion.alpha_er import save_alpha_er_checkpoint
 
-        save_alpha_er_checkpoint(self, path)
+            save_alpha_er_checkpoint(self, path)
+        elif format == "transformers":
+            from weight_conversion.alpha_er_transformers import save_transformers_checkpoint
+
+            save_transformers_checkpoint(self, path)
+        else:
+            raise ValueError(f"format={format!r} must be 'reference' or 'transformers'")
+
+    def to_hf(self):
+        """The same weights (shared, not copied) as a transformers `AlphaErForCausalLM` in eval mode."""
+        from weight_conversion.alpha_er_transformers import to_transformers
+
+        return to_transformers(self)
 
 
 def _build_on_meta(cfg: AlphaErConfig) -> HookedAlphaEr:
