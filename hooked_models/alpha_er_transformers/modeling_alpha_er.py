@@ -92,7 +92,7 @@ class AlphaErAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.scaling = 1.0 / math.sqrt(self.head_dim)  # the reference's spelling, not head_dim**-0.5: a bit apart
+        self.scaling = 1.0 / math.sqrt(self.head_dim)  # the reference's; head_dim**-0.5 differs in float64 for some
         self.softcap = config.attn_soft_cap or None
         self.is_causal = True
         d = config.hidden_size
