@@ -143,14 +143,15 @@ def to_transformers(model: HookedModel) -> AlphaErForCausalLM:
 
 # ---------------------------------------------------------------------------------------- files
 def is_transformers_checkpoint(path) -> bool:
-    """Whether `path` (a directory, or a weight file in one) holds a transformers alpha-er: a config.json
-    naming AlphaErForCausalLM or with the transformers field names."""
+    """Whether `path` (a directory, or a weight file in one) holds a transformers alpha-er: a config.json of
+    model_type alpha-er naming AlphaErForCausalLM or with the transformers field names."""
     path = Path(path)
     config = (path if path.is_dir() else path.parent) / "config.json"
     if not config.is_file():
         return False
     fields = read_json(config)
-    return ARCHITECTURE in (fields.get("architectures") or []) or "hidden_size" in fields
+    return fields.get("model_type") == "alpha-er" and (
+        ARCHITECTURE in (fields.get("architectures") or []) or "hidden_size" in fields)
 
 
 def load_transformers_checkpoint(path, dtype: torch.dtype | str | None = None, device=None, *,
