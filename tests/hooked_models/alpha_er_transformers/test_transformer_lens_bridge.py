@@ -1,0 +1,53 @@
+"""TransformerLens 4's TransformerBridge on AlphaErForCausalLM through the package's small adapter: it boots,
+and its values equal HookedAlphaEr's within float32 rounding (its LayerNorm is recomputed in separate
+operations, the model's is F.layer_norm: measured 4e-7 of the largest logit, up to 3e-6 on this test's random one, bounded at 1e-5)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformer_lens.model_bridge", reason="TransformerBridge is TransformerLens 4.x")
+
+from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
+
+from hooked_models import HookedAlphaEr  # noqa: E402
+from hooked_models.alpha_er_transformers.transformer_lens_bridge import register  # noqa: E402
+
+NAMES = [("blocks.{i}.hook_resid_pre", "layers.{i}.layer_input"), ("blocks.{i}.hook_resid_post", "layers.{i}.layer_output"),
+         ("blocks.{i}.hook_attn_out", "layers.{i}.self_attn.attention_output"),
+         ("blocks.{i}.hook_mlp_out", "layers.{i}.mlp.mlp_output"),
+         ("blocks.{i}.attn.hook_pattern", "layers.{i}.self_attn.attention_probabilities")]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+@pytest.fixture(scope="module")
+def bridge_and_ours(tmp_path_factory, tiny_factories):
+    _, make_reference_alpha_er = tiny_factories
+    ours = HookedAlphaEr.from_reference(make_reference_alpha_er(31, vocab_size=127, attn_soft_cap=2.0))
+    ours.tokenizer = HookedAlphaEr.from_pretrained("embedded").tokenizer
+    path = tmp_path_factory.mktemp("bridge") / "alpha-er"
+    ours.save_pretrained(path, format="transformers")
+    register()
+    return TransformerBridge.boot_transformers(str(path), device="cpu"), ours
+
+
+def test_the_bridge_boots_and_agrees_within_float32_rounding(bridge_and_ours):
+    bridge, ours = bridge_and_ours
+    tokens = torch.randint(0, 127, (2, ours.cfg.block_size), generator=torch.Generator().manual_seed(32))
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(tokens)
+        expected, our_cache = ours.run_with_cache(tokens)
+    assert relative_error(logits, expected) < 1e-5
+    for i in range(ours.cfg.n_layer):
+        for theirs, name in NAMES:
+            assert relative_error(cache[theirs.format(i=i)], our_cache[name.format(i=i)]) < 1e-5, (theirs, i)
+    assert torch.equal(cache["hook_pos_embed"].expand_as(our_cache["position_embeddings"]),
+                       our_cache["position_embeddings"])
+
+
+def test_what_the_bridge_cannot_give_is_absent_not_wrong(bridge_and_ours):
+    bridge, _ = bridge_and_ours
+    with pytest.raises(AttributeError, match="no attribute 'W_U'"):
+        bridge.unembed.W_U
