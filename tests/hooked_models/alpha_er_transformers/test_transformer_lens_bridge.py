@@ -15,7 +15,9 @@ from hooked_models.alpha_er_transformers.transformer_lens_bridge import register
 NAMES = [("blocks.{i}.hook_resid_pre", "layers.{i}.layer_input"), ("blocks.{i}.hook_resid_post", "layers.{i}.layer_output"),
          ("blocks.{i}.hook_attn_out", "layers.{i}.self_attn.attention_output"),
          ("blocks.{i}.hook_mlp_out", "layers.{i}.mlp.mlp_output"),
-         ("blocks.{i}.attn.hook_pattern", "layers.{i}.self_attn.attention_probabilities")]
+         ("blocks.{i}.attn.hook_pattern", "layers.{i}.self_attn.attention_probabilities"),
+         ("blocks.{i}.ln1.hook_out", "layers.{i}.attention_norm_output"),
+         ("blocks.{i}.ln2.hook_out", "layers.{i}.mlp_norm_output")]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
