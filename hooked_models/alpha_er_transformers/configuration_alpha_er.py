@@ -38,13 +38,15 @@ class AlphaErConfig(PretrainedConfig):
         num_hidden_layers, hidden_size, num_attention_heads: the reference's `n_layer`, `n_embd`, `n_head`.
         intermediate_size: the width of all experts together (the reference's `ffn_dim`).
         mlp_experts: the number of positional experts G; a sequence's length must be a multiple of it.
+        head_dim, num_key_value_heads: derived (hidden_size/num_attention_heads, num_attention_heads) and stored
+            as Llama stores them; another value is refused.
         lm_head_rank, attn_rank: the bottleneck ranks of the factored LM head and of qkv / the output projection.
         attn_soft_cap: scores become tanh(s/cap)·cap before the softmax; 0 turns the cap off.
         layer_norm_eps: the epsilon of every LayerNorm, the bottlenecks' included.
     """
 
     model_type = "alpha-er"
-    attribute_map = {**REFERENCE_NAMES, "num_key_value_heads": "num_attention_heads"}
+    attribute_map = dict(REFERENCE_NAMES)
     # Fixed by the architecture, so not fields: tools written for transformers read them.
     hidden_act = "gelu_pytorch_tanh"
 
@@ -65,6 +67,8 @@ class AlphaErConfig(PretrainedConfig):
         pad_token_id: int | None = 0,
         tie_word_embeddings: bool = False,
         use_cache: bool = False,
+        head_dim: int | None = None,
+        num_key_value_heads: int | None = None,
         **kwargs,
     ):
         model_type = kwargs.get("model_type", self.model_type)
@@ -90,12 +94,11 @@ class AlphaErConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         # No key/value cache: a token's expert depends on the whole length T (see the modeling file).
         self.use_cache = use_cache
+        # Derived, stored as Llama's config stores them (tools read them from config.json): any other value is refused.
+        self.head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self._check()
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def _check(self) -> None:
         for name in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "hidden_size",
@@ -110,6 +113,12 @@ class AlphaErConfig(PretrainedConfig):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"head_dim={self.head_dim} must be hidden_size/num_attention_heads="
+                             f"{self.hidden_size // self.num_attention_heads}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
+                             f"{self.num_attention_heads}: alpha-er has no grouped-query attention")
         if self.intermediate_size % self.mlp_experts:
             raise ValueError(f"intermediate_size={self.intermediate_size} is not divisible by "
                              f"mlp_experts={self.mlp_experts}: each expert is intermediate_size/mlp_experts wide")

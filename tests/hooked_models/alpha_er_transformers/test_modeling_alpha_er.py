@@ -204,6 +204,8 @@ def test_a_length_off_the_rule_is_refused(trio):
     (dict(n_embd=32), r"\['n_embd'\] \(n_embd is called hidden_size here\)"),
     (dict(intermediate_size=50, mlp_experts=4), "intermediate_size=50 is not divisible by mlp_experts=4"),
     (dict(model_type="arcee"), "model_type='arcee': this is not an alpha-er config"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=8"),
+    (dict(head_dim=64), "head_dim=64 must be hidden_size/num_attention_heads=128"),
 ])
 def test_a_config_it_does_not_know_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):
