@@ -56,16 +56,18 @@ NAME_PAIRS: list[tuple[str, str]] = [
 ]
 
 
-def _compile(pairs: list[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
+def compile_names(pairs: list[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
+    """(source, target) name pairs with `{i}` for a layer index -> (pattern, replacement) for `rename_with`."""
     return [(re.compile("^" + re.escape(source).replace(r"\{i\}", r"(\d+)") + "$"), target.replace("{i}", r"\1"))
             for source, target in pairs]
 
 
-_TO_HOOKED = _compile(NAME_PAIRS)
-_TO_REFERENCE = _compile([(hooked, ref) for ref, hooked in NAME_PAIRS])
+_TO_HOOKED = compile_names(NAME_PAIRS)
+_TO_REFERENCE = compile_names([(hooked, ref) for ref, hooked in NAME_PAIRS])
 
 
-def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
+def rename_with(name: str, table: list[tuple[re.Pattern, str]]) -> str:
+    """`name` by the first pattern of `table` that matches it; KeyError if none does."""
     for pattern, target in table:
         if pattern.match(name):
             return pattern.sub(target, name)
@@ -74,12 +76,12 @@ def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
 
 def convert_alpha_er_name(name: str) -> str:
     """`blocks.3.qkv.mid_w` -> `layers.3.self_attn.qkv_proj.norm.weight`; KeyError for a name with no place."""
-    return _rename(name, _TO_HOOKED)
+    return rename_with(name, _TO_HOOKED)
 
 
 def reference_tensor_name(name: str) -> str:
     """The way back: a hooked parameter name -> the reference's."""
-    return _rename(name, _TO_REFERENCE)
+    return rename_with(name, _TO_REFERENCE)
 
 
 def _parse(name: str, value):

@@ -9,7 +9,6 @@ way back (`to_transformers`, `save_transformers_checkpoint`, which writes auto_m
 files beside the weights), and the loader that takes either format (`load_alpha_er`).
 """
 
-import re
 from pathlib import Path
 
 import torch
@@ -24,11 +23,13 @@ from hooked_models.model import HookedModel
 from weight_conversion.alpha_er import (
     Build,
     build_alpha_er,
+    compile_names,
     convert_alpha_er_config,
     convert_alpha_er_name,
     hooked_to_reference_state_dict,
     load_alpha_er_checkpoint,
     reference_config_dict,
+    rename_with,
 )
 from weight_conversion.checkpoint import (
     CheckpointError,
@@ -58,30 +59,18 @@ NAME_PAIRS: list[tuple[str, str]] = [
 ]
 
 
-def _compile(pairs: list[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
-    return [(re.compile("^" + re.escape(source).replace(r"\{i\}", r"(\d+)") + "$"), target.replace("{i}", r"\1"))
-            for source, target in pairs]
-
-
-_TO_TRANSFORMERS = _compile(NAME_PAIRS)
-_TO_REFERENCE = _compile([(ours, ref) for ref, ours in NAME_PAIRS])
-
-
-def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
-    for pattern, target in table:
-        if pattern.match(name):
-            return pattern.sub(target, name)
-    raise KeyError(name)
+_TO_TRANSFORMERS = compile_names(NAME_PAIRS)
+_TO_REFERENCE = compile_names([(ours, ref) for ref, ours in NAME_PAIRS])
 
 
 def transformers_tensor_name(name: str) -> str:
     """`blocks.3.qkv.mid_w` -> `model.layers.3.self_attn.qkv_proj.norm.weight`; KeyError for a name with no place."""
-    return _rename(name, _TO_TRANSFORMERS)
+    return rename_with(name, _TO_TRANSFORMERS)
 
 
 def reference_name_of(name: str) -> str:
     """The way back: a transformers tensor name -> the reference's; KeyError for a name with no place."""
-    return _rename(name, _TO_REFERENCE)
+    return rename_with(name, _TO_REFERENCE)
 
 
 def reference_to_transformers_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ equals HookedAlphaEr's of the same standard name bit for bit (float32; the same 
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
