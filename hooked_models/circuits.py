@@ -46,7 +46,8 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm import tqdm
 
-from hooked_models.patching import Metric, _runs, _scalar, row_bytes
+from hooked_models.patching.inputs import Metric, _runs, _scalar
+from hooked_models.patching.runner import row_bytes
 
 METHODS = ("eap", "eap-ig")
 Edge = tuple[str, str]
