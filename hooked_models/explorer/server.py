@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
+from hooked_models.attribution.export import json_node
 from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Job, Jobs, message
 from hooked_models.transcoders import TranscoderSet
@@ -341,7 +342,7 @@ def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
     crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
     if graph.head_loadings is None:
         return
-    index = {graph._json_node(i)["node_id"]: i for i in range(graph.n_nodes)}
+    index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
     for link in links:
         target, source = index[link["target"]], index[link["source"]]
         loadings, skips = graph.head_loadings[target, source], graph.attention_skips[target, source]
