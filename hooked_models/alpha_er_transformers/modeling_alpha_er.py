@@ -204,7 +204,8 @@ class AlphaErModel(AlphaErPreTrainedModel):
         self.embed_tokens = value
 
     def check_length(self, seq: int) -> None:
-        """A ValueError unless alpha-er computes at length `seq`: a multiple of mlp_experts, <= max_position_embeddings."""
+        """A ValueError unless alpha-er computes at length `seq`: a multiple of mlp_experts, at most
+        max_position_embeddings."""
         experts, block = self.config.mlp_experts, self.config.max_position_embeddings
         if seq > block or seq % experts:
             why = (f"longer than max_position_embeddings={block}, the number of learned positions" if seq > block else

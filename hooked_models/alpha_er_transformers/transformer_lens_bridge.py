@@ -1,4 +1,4 @@
-"""alpha-er under TransformerLens 4's TransformerBridge: a small architecture adapter.
+"""alpha-er under TransformerLens's TransformerBridge (4.x, and 3.9): a small architecture adapter.
 
     from hooked_models.alpha_er_transformers.transformer_lens_bridge import register
     register()
@@ -14,7 +14,7 @@ What it does not: W_U / b_U (the head is factored, up(LayerNorm(down(x))): no ma
 hook_q/k/v/z and the MLP's hook_pre/post (the attention and the experts run as the model's own modules,
 which the bridge wraps whole), weight processing (fold_ln and the like: none is declared), and
 `generate`, whose key/value cache alpha-er refuses; HookedAlphaEr has all of these.
-Needs TransformerLens 4.x (`transformer_lens.model_bridge`).
+Needs `transformer_lens.model_bridge`: tested under TransformerLens 4.3 and 3.9 (the sae extra's).
 """
 
 from transformer_lens.factories import architecture_adapter_factory

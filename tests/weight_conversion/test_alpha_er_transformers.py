@@ -97,7 +97,8 @@ def test_the_embedded_alpha_er_is_written_both_ways(tmp_path):
     again = HookedAlphaEr.from_pretrained(tmp_path / "hf")
     assert again.tokenizer is not None and again.to_tokens(" John").tolist() == embedded.to_tokens(" John").tolist()
     again.save_pretrained(tmp_path / "reference.safetensors")
-    assert file_tensors(tmp_path / "reference.safetensors") == file_tensors(embedded_checkpoint("alpha_er") / "model.safetensors")
+    shipped = embedded_checkpoint("alpha_er") / "model.safetensors"
+    assert file_tensors(tmp_path / "reference.safetensors") == file_tensors(shipped)
 
 
 def test_from_hf_and_to_hf(reference, tokens):
@@ -123,7 +124,8 @@ def test_an_unknown_field_in_a_transformers_checkpoint_is_refused(reference, tmp
     HookedAlphaEr.from_reference(reference).save_pretrained(tmp_path, format="transformers")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "rope_theta": 1e4}))
-    with pytest.raises(CheckpointError, match=r"config.json: AlphaErConfig does not know the field\(s\) \['rope_theta'\]"):
+    unknown = r"config.json: AlphaErConfig does not know the field\(s\) \['rope_theta'\]"
+    with pytest.raises(CheckpointError, match=unknown):
         HookedAlphaEr.from_pretrained(tmp_path)
 
 

@@ -1,18 +1,20 @@
-"""TransformerLens 4's TransformerBridge on AlphaErForCausalLM through the package's small adapter: it boots,
-and its values equal HookedAlphaEr's within float32 rounding (its LayerNorm is recomputed in separate
-operations, the model's is F.layer_norm: measured 4e-7 of the largest logit, up to 3e-6 on this test's random one, bounded at 1e-5)."""
+"""TransformerLens's TransformerBridge (4.3 here, 3.9 in the SAE environment) on AlphaErForCausalLM through the
+package's small adapter: it boots, and its values equal HookedAlphaEr's within float32 rounding (its LayerNorm is
+recomputed in separate operations, the model's is F.layer_norm: measured 4e-7 of the largest logit on the embedded
+alpha-er, up to 3e-6 on this test's random one; bounded at 1e-5)."""
 
 import pytest
 import torch
 
-pytest.importorskip("transformer_lens.model_bridge", reason="TransformerBridge is TransformerLens 4.x")
+pytest.importorskip("transformer_lens.model_bridge", reason="no TransformerBridge in this TransformerLens")
 
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 
 from hooked_models import HookedAlphaEr  # noqa: E402
 from hooked_models.alpha_er_transformers.transformer_lens_bridge import register  # noqa: E402
 
-NAMES = [("blocks.{i}.hook_resid_pre", "layers.{i}.layer_input"), ("blocks.{i}.hook_resid_post", "layers.{i}.layer_output"),
+NAMES = [("blocks.{i}.hook_resid_pre", "layers.{i}.layer_input"),
+         ("blocks.{i}.hook_resid_post", "layers.{i}.layer_output"),
          ("blocks.{i}.hook_attn_out", "layers.{i}.self_attn.attention_output"),
          ("blocks.{i}.hook_mlp_out", "layers.{i}.mlp.mlp_output"),
          ("blocks.{i}.attn.hook_pattern", "layers.{i}.self_attn.attention_probabilities"),
