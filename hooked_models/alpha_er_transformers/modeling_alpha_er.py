@@ -106,7 +106,8 @@ class AlphaErAttention(nn.Module):
 
         attention_interface: Callable = eager_attention_forward
         if self.config._attn_implementation not in (None, "eager"):
-            # Set on the config after loading, past get_correct_attn_implementation's check.
+            # A function registered with AttentionInterface; the check repeats get_correct_attn_implementation's
+            # for a value written to the config directly.
             implementation = self.config._attn_implementation
             if implementation in BUILT_IN_ATTENTION or implementation not in ALL_ATTENTION_FUNCTIONS:
                 raise ValueError(attention_refusal(implementation))
