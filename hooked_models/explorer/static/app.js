@@ -28,17 +28,20 @@ async function start() {
   $("values").replaceChildren(...MODEL.values.map((v) => el("option", {value: v})));
   $("feature-sae").replaceChildren(...MODEL.saes.map((s) => el("option", {value: s.name}, `${s.name} (${s.d_sae})`)));
   for (const button of document.querySelectorAll("#tabs button")) button.onclick = () => showView(button.dataset.view);
-  $("prompt-form").onsubmit = handle(runPrompt);
-  $("attention-form").onsubmit = handle(runAttention);
+  const promptViews = ["prompt-tokens", "prompt-lens"];
+  $("prompt-form").onsubmit = handle(runPrompt, ...promptViews);
+  $("attention-form").onsubmit = handle(runAttention, "attention-heads", "attention-from", "attention-to",
+                                        "attention-experts", "attention-plot", "attention-note");
   $("attention-kind").onchange = () => HEAD && drawHead(...HEAD);
-  $("patch-form").onsubmit = handle(runPatch);
-  $("circuit-form").onsubmit = handle(runCircuit);
+  $("patch-form").onsubmit = handle(runPatch, "patch-plot", "patch-summary", "patch-hover");
+  $("circuit-form").onsubmit = handle(runCircuit, "circuit-svg", "circuit-curve", "circuit-count", "circuit-edge");
   $("circuit-k").oninput = () => CIRCUIT && drawCircuit();
-  $("feature-form").onsubmit = handle(() => openFeature($("feature-sae").value, +$("feature-index").value));
-  $("feature-search").onclick = handle(searchFeatures);
-  $("graph-form").onsubmit = handle(openGraph);
+  $("feature-form").onsubmit = handle(() => openFeature($("feature-sae").value, +$("feature-index").value),
+                                      "feature-board");
+  $("feature-search").onclick = handle(searchFeatures, "feature-found");
+  $("graph-form").onsubmit = handle(openGraph, "graph-svg", "graph-detail", "graph-title", "graph-count");
   $("graph-threshold").oninput = () => GRAPH && drawGraph();
-  await handle(runPrompt)();
+  await handle(runPrompt, ...promptViews)();
 }
 
 start().catch((error) => showError(error.message));
