@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
+from hooked_models.attribution.export import json_node
 from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
@@ -71,6 +72,7 @@ class Explorer:
             if not root.is_dir():
                 raise ValueError(f"data directory {root} does not exist or is not a directory")
         self.saes = _per_layer(saes or {})
+        self.transcoder_sets = [m for m in (saes or {}).values() if isinstance(m, TranscoderSet)]
         self.limits = Limits.of(self.model)
         self.queue = Jobs(self.model)
 
@@ -261,9 +263,22 @@ class Explorer:
             raise ValueError(f"{request.path!r} is not an attribution graph in circuit-tracer's schema: "
                              f"{problems}") from None
         graph = graph.checked().model_dump()
+        self._name_nodes(graph)
         if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings come along
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
         return graph
+
+    def _name_nodes(self, graph: dict) -> None:
+        """Add what the page names nodes by: a logit's token (`logit_token`, the served model's text for its
+        id) and, where the graph's transcoders are a set the server serves, the features' kind
+        (`feature_kind`: the schema's one feature_type string says "cross layer transcoder" for every kind)."""
+        hooks = list(graph["metadata"]["transcoder_list"])
+        per_layer = any(hooks == [ts.input_hook(layer) for layer in range(ts.n_layers)] for ts in self.transcoder_sets)
+        for node in graph["nodes"]:
+            if node["feature_type"] == "logit" and 0 <= node["feature"] < self.model.cfg.vocab_size:
+                node["logit_token"] = self.model.to_str_tokens([node["feature"]])[0]
+            elif node["feature_type"] == "cross layer transcoder" and per_layer:
+                node["feature_kind"] = "per-layer transcoder"
 
     def dashboard(self, request) -> dict:
         sae, harvest = self.sae(request.sae), self.path(request.harvest)
@@ -306,7 +321,7 @@ def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
     crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
     if graph.head_loadings is None:
         return
-    index = {graph._json_node(i)["node_id"]: i for i in range(graph.n_nodes)}
+    index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
     for link in links:
         target, source = index[link["target"]], index[link["source"]]
         loadings, skips = graph.head_loadings[target, source], graph.attention_skips[target, source]

@@ -263,7 +263,8 @@ def test_graph_view(page, screenshots):
     page.locator("#graph-svg .node[data-id='1_3_15']").dispatch_event("click")
     page.wait_for_selector("#graph-detail table.links")
     inputs = page.locator("#graph-detail table.source tr.link")
-    assert inputs.count() == 2 and inputs.first.inner_text().startswith("0_7_11")
+    assert inputs.count() == 2 and inputs.first.get_attribute("data-id") == "0_7_11"
+    assert inputs.first.inner_text().startswith('L0 F7 @ " John"')  # named by what it is, not by its id
     inputs.first.click()  # the link through attention: its per-head loadings
     assert "layers.1.self_attn.head.2" in page.inner_text("#graph-heads")
     page.click("#graph-pin")
