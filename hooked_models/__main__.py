@@ -11,6 +11,7 @@ library (torch, TransformerLens) is imported only once the arguments are parsed,
 """
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -191,7 +192,14 @@ def _explore(args) -> int:
         listening.close()
         raise
     print(f"explorer on http://{args.host}:{args.port} ({type(model).__name__}); Ctrl-C stops it", flush=True)
-    serve(model, args.data, saes, host=args.host, port=args.port, sockets=[listening])
+    try:
+        serve(model, args.data, saes, host=args.host, port=args.port, sockets=[listening])
+    except KeyboardInterrupt:  # SIGINT (SIGTERM ends the process by its default action once uvicorn has stopped)
+        print("\nstopped: the jobs running or queued were cancelled", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # A job may still be inside one torch operation on its (daemon) thread; the interpreter's own
+        # shutdown would abort under it, so the process ends here, with nothing left to save.
+        os._exit(130)
     return 0
 
 

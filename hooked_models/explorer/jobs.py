@@ -85,11 +85,9 @@ class Job:
                 step.fraction, step.done, step.total, step.unit, step.phase)
         else:
             self.progress = float(step)
-        if self.cancel_requested:
-            raise Cancelled(f"job {self.id} was cancelled")
         if self.queue is not None:
-            self.queue.step_aside()
-        if self.cancel_requested:  # asked while it waited
+            self.queue.step_aside(self)  # returns at once when no view runs, or when the job is cancelled
+        if self.cancel_requested:
             raise Cancelled(f"job {self.id} was cancelled")
 
     def status(self, place: int | None = None) -> dict:
@@ -164,7 +162,7 @@ class Jobs:
             self.changed.notify_all()
         return job.status(self.place(job))
 
-    def shutdown(self, timeout: float = 1.0) -> None:
+    def shutdown(self, timeout: float = 0.25) -> None:
         """Cancel every job and wait for the worker at most `timeout` seconds."""
         with self.changed:
             self.stopping = True
@@ -188,10 +186,10 @@ class Jobs:
                 self.views_running -= 1
                 self.changed.notify_all()
 
-    def step_aside(self) -> None:
-        """Called by the running job between batches: wait while views run (or until it is cancelled)."""
+    def step_aside(self, job: Job) -> None:
+        """Called by the running `job` between batches: wait while views run (or until it is cancelled)."""
         with self.changed:
-            self.changed.wait_for(lambda: not self.views_running or self.stopping)
+            self.changed.wait_for(lambda: not self.views_running or self.stopping or job.cancel_requested)
 
     # ---------------------------------------------------------------------------- the worker
     def _work(self) -> None:

@@ -8,9 +8,6 @@ EXPLORER_SCREENSHOTS=DIR keeps the screenshots there (docs/explorer/screenshots.
 import io
 import os
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,29 +17,11 @@ playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 
-import uvicorn  # noqa: E402
 
 from hooked_models import circuits, patching  # noqa: E402
 from hooked_models.explorer import create_app  # noqa: E402
 
-from .conftest import CORRUPTED, PROMPT  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(app):
-    """The app on a free port of 127.0.0.1, in a thread: (url, server)."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
+from .conftest import CORRUPTED, PROMPT, serve_in_thread as _serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
