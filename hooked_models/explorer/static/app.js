@@ -1,7 +1,7 @@
 // The explorer's page: six views over the server's JSON API (README "The explorer"), one module each. It
 // draws what the server sends; every number comes from the library. Plotly draws heatmaps and curves; the
 // two graphs (circuits, attribution) are plain SVG laid out by layer and position.
-import {$, api, el, handle, session, showError} from "./common.js";
+import {$, api, el, handle, session, showError, showQueue} from "./common.js";
 import {runPrompt} from "./prompt.js";
 import {HEAD, drawHead, runAttention} from "./attention.js";
 import {runPatch} from "./patching.js";
@@ -41,6 +41,8 @@ async function start() {
   $("feature-search").onclick = handle(searchFeatures, "feature-found");
   $("graph-form").onsubmit = handle(openGraph, "graph-svg", "graph-detail", "graph-title", "graph-count");
   $("graph-threshold").oninput = () => GRAPH && drawGraph();
+  // the queue in the header, every job that runs or waits (whoever started it: another tab, a script)
+  setInterval(() => showQueue().catch(() => {}), 1000);
   await handle(runPrompt, ...promptViews)();
 }
 

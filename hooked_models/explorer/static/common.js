@@ -61,9 +61,15 @@ export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 // The job queue in the header: every job that runs or waits, with its place and progress.
 export async function showQueue() {
   const {jobs} = await api("/api/jobs");
-  $("queue").replaceChildren(...jobs.map((job) => el("span", {class: `queued ${job.state}`, "data-id": job.id},
-    job.state === "running" ? `${job.kind} ${job.progress === null ? "" : `${Math.round(100 * job.progress)}%`}`
-                            : `${job.kind} (waiting, ${job.place} ahead)`)));
+  $("queue").replaceChildren(...jobs.map((job) => {
+    const item = el("span", {class: `queued ${job.state}`, "data-id": job.id},
+      job.state === "running" ? `${job.kind} ${job.progress === null ? "running" : `${Math.round(100 * job.progress)}%`}`
+                              : `${job.kind} (waiting, ${job.place} ahead)`);
+    const cancel = el("button", {type: "button", class: "cancel-job", title: `cancel ${job.kind}`}, "×");
+    cancel.onclick = () => api(`/api/jobs/${job.id}`, undefined, "DELETE").then(showQueue).catch(() => {});
+    item.append(cancel);
+    return item;
+  }));
   $("queue").hidden = !jobs.length;
 }
 
@@ -135,7 +141,7 @@ export function labelAxis(labels, extra = {}) {
   const tokens = labels;
   const room = tokens.length > 40 ? 4 : tokens.length > 20 ? 8 : 16;
   const short = labels.map((label) => (label.length > room + 2 ? `${label.slice(0, room + 1)}…` : label));
-  return {type: "category", tickmode: "array", tickvals: labels, ticktext: short, automargin: true,
+  return {type: "category", tickmode: "array", tickvals: labels, ticktext: short, automargin: true, showgrid: false,
           tickfont: {size: tokens.length > 40 ? 8 : tokens.length > 20 ? 10 : 12},
           tickangle: tokens.length > 12 ? -90 : -45, ...extra};
 }

@@ -241,6 +241,17 @@ def test_a_sweep_over_its_bound_is_refused_before_it_runs(arcee, data_dir):
     assert TestClient(app).post("/api/patch", json={**PAIR, "value": "mlp_neurons"}).status_code == 200  # 2 x 256
 
 
+def test_a_sibling_whose_name_starts_with_the_data_directory_is_outside_it(client, data_dir):
+    # data_evil/ beside data/: a string-prefix comparison of the paths would let it through
+    evil = data_dir.parent / f"{data_dir.name}_evil"
+    evil.mkdir(exist_ok=True)
+    (evil / "graph.json").write_text((data_dir / "graph.json").read_text())
+    for spelling in (str(evil / "graph.json"), f"../{evil.name}/graph.json"):
+        answer = client.post("/api/graph", json={"path": spelling})
+        assert answer.status_code == 403 and "outside the data directories" in answer.json()["error"], spelling
+    assert client.get("/api/files", params={"path": str(evil)}).status_code == 403
+
+
 def test_files_list_only_under_the_data_directories(client, data_dir):
     listed = client.get("/api/files", params={"path": str(data_dir)}).json()["entries"]
     kinds = {e["name"]: e["kind"] for e in listed}
