@@ -157,7 +157,14 @@ def test_graph_file_opens_as_written(client, data_dir, arcee):
 def test_a_graph_attribute_wrote_opens_with_its_head_loadings(client, data_dir, real_graph, transcoders, arcee):
     written = json.loads((data_dir / "real_graph.json").read_text())
     opened = client.post("/api/graph", json={"path": "real_graph.json"}).json()
-    assert opened["nodes"] == [{**n} for n in written["nodes"]]
+    # the file's nodes, and what the server adds to name them: the served per-layer transcoders' kind, logits' text
+    added = ("feature_kind", "logit_token")
+    assert [{k: v for k, v in n.items() if k not in added} for n in opened["nodes"]] == written["nodes"]
+    for node in opened["nodes"]:
+        if node["feature_type"] == "cross layer transcoder":
+            assert node["feature_kind"] == "per-layer transcoder"  # the file's string says otherwise
+        if node["feature_type"] == "logit":
+            assert node["logit_token"] == arcee.to_str_tokens([node["feature"]])[0]
     assert [{k: v for k, v in link.items() if k != "heads"} for link in opened["links"]] == written["links"]
     # Each link's per-head split: for each attention layer it crosses, the heads' parts plus the part that
     # skips that layer are the link's weight (what attribute() guarantees, so a link matched to the wrong
