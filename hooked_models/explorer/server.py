@@ -35,7 +35,6 @@ from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
 from hooked_models.explorer.requests import Limits, request_models, validation_message
-from hooked_models.progress import Step
 from hooked_models.transcoders import TranscoderSet
 from hooked_models.saes import sae_hook_name
 
@@ -180,7 +179,7 @@ class Explorer:
 
         def work(model, job):
             result = patching.activation_patch(model, clean.tokens, corrupted.tokens, metric, request.value,
-                                               request.over, direction=request.direction, progress=False,
+                                               request.over, direction=request.direction, progress=job.report,
                                                position_labels=labels)
             span = result.clean_metric != result.corrupted_metric
             return {"values": result.values.tolist(), "axes": list(result.axes), "labels": result.labels,
@@ -207,13 +206,11 @@ class Explorer:
         clean, corrupted, metric = self.pair(request)
 
         def work(model, job):
-            job.report(Step(0, 2, "edge attribution", "phase"))
             graph = circuits.edge_attribution(model, clean.tokens, corrupted.tokens, metric, request.method,
-                                              request.steps)
+                                              request.steps, progress=job.report)
             order = graph.scores.abs().argsort(descending=True, stable=True).tolist()
             ks = sorted({k for k in (0, 1, 2, 3, 5, 10, 15, 20, 30, 50, 100, 200, len(graph)) if k <= len(graph)})
-            job.report(Step(1, 2, "faithfulness", "phase"))
-            curve = graph.faithfulness_curve(model, clean.tokens, corrupted.tokens, metric, ks)
+            curve = graph.faithfulness_curve(model, clean.tokens, corrupted.tokens, metric, ks, progress=job.report)
             return {"edges": [{"writer": graph.edges[i][0], "reader": graph.edges[i][1],
                                "score": float(graph.scores[i])} for i in order],
                     "method": graph.method, "clean_metric": graph.clean_metric,

@@ -104,6 +104,8 @@ def test_patching_job_equals_activation_patch(client, arcee, value, over):
                                        position_labels=arcee.to_str_tokens(PROMPT))
     assert status["result"]["values"] == result.values.tolist()
     assert status["result"]["normalized"] == result.normalized().tolist()
+    # the job's progress was activation_patch's own, through progress=: every patch of the sweep counted
+    assert (status["done"], status["total"], status["unit"]) == (result.values.numel(),) * 2 + ("patch",)
     assert status["result"]["axes"] == list(result.axes) and status["result"]["labels"] == result.labels
     assert status["result"]["clean_metric"] == result.clean_metric > 5  # the answer flips: a real gap
     assert status["result"]["corrupted_metric"] == result.corrupted_metric < -5
