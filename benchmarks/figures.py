@@ -481,6 +481,19 @@ def transcoder_training_text() -> str:
             f"reclaims under pressure, not memory the trainer holds. Measured {when(r)}; one thread.")
 
 
+def explorer_load_table() -> str:
+    r = load("explorer_load")
+    f = r["figures"]
+    rows = [(f"interactive requests ({f['requests']} from {f['clients']} clients) while a job runs: p50 / p90 / p99 / max",
+             " / ".join(ms(f[k]) for k in ("p50_s", "p90_s", "p99_s", "max_s"))),
+            ("the job's state when the last had answered", f["job_state_after"]),
+            ("the job's batches meanwhile (it steps aside while a view runs)", f"{f['batches_during']}"),
+            ("DELETE /api/jobs/{id} to the job's state `cancelled`", ms(f["cancel_s"])),
+            ("SIGTERM / SIGINT to the command line's exit, three EAP-IG jobs queued",
+             f"{f['sigterm_stop_s']:.2f} s / {f['sigint_stop_s']:.2f} s")]
+    return key_value_table(rows, r)
+
+
 PARTS = {
     "speed-table": speed_table,
     "speed-measured": measured,
@@ -501,6 +514,7 @@ PARTS = {
     "transcoders": transcoder_training_text,
     "transcoders-memory": transcoder_memory,
     "circuit-tracer-sentence": circuit_tracer_sentence,
+    "explorer-load": explorer_load_table,
 }
 
 

@@ -171,8 +171,9 @@ class AttributionGraph:
     def plot(self, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None,
              node_threshold: float = 0.8, edge_threshold: float = 0.98):
         """Draw the pruned graph: layers up (embeddings at the bottom, logits at the top), positions
-        across, edge width by |weight| (blue positive, red negative). Saved to `path` if given; returns
-        the matplotlib Figure."""
+        across (a layer and position's nodes side by side, then stacked: none overlap), edge width by
+        |weight| (red positive, blue negative: RdBu, explained in the legend). Saved to `path` if given;
+        returns the matplotlib Figure."""
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
         return export.plot(pruned, path, ax, title)
 
