@@ -234,7 +234,13 @@ class Explorer:
         if not directory.is_dir():
             raise ValueError(f"{path!r} is not a directory")
         return {"path": str(directory),
-                "entries": [self._entry(p, str(p)) for p in sorted(directory.iterdir()) if not p.name.startswith(".")]}
+                "entries": [self._entry(p, self._shown(p)) for p in sorted(directory.iterdir())
+                            if not p.name.startswith(".")]}
+
+    def _shown(self, path: Path) -> str:
+        """A path as the page shows and sends it: relative to the first data directory (where `path` resolves
+        relative paths) when it lies under it, else whole."""
+        return str(path.relative_to(self.roots[0])) if self.roots and self.roots[0] in path.parents else str(path)
 
     @staticmethod
     def _entry(path: Path, shown: str) -> dict:

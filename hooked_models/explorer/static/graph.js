@@ -70,10 +70,10 @@ function layout(nodes, positions, rows, minWidth) {
     stack.set(r, Math.max(stack.get(r), Math.ceil(members.length / across)));
   }
   const rowTop = new Map();
-  let y = 40;
+  let y = 44;  // below the legend
   for (const row of [...rows].reverse()) {  // from the top (logits) down
     rowTop.set(row, y);
-    y += stack.get(row) * PITCH + 26;
+    y += Math.max(stack.get(row) * PITCH + 26, 64);
   }
   const at = new Map();
   for (const [key, members] of cells) {
@@ -86,7 +86,7 @@ function layout(nodes, positions, rows, minWidth) {
                             y: top + (level + 0.5) * PITCH});
     });
   }
-  return {at, cellW, rowTop, stack, width: 60 + positions * cellW, height: y + 60};
+  return {at, cellW, rowTop, stack, width: 60 + positions * cellW, height: y + 50};
 }
 
 export function drawGraph() {
@@ -115,7 +115,7 @@ export function drawGraph() {
   tokens.forEach((token, i) => {  // every position's token, cut to the column (the full text on hover)
     const room = Math.max(2, Math.floor(cellW / 6));
     const x = 50 + (i + 0.5) * cellW;
-    const label = svgEl("text", {x, y: height - 44, "text-anchor": "end", transform: `rotate(-45 ${x} ${height - 44})`,
+    const label = svgEl("text", {x, y: height - 40, "text-anchor": "end", transform: `rotate(-45 ${x} ${height - 40})`,
                                  class: "position"});
     label.textContent = token.length > room ? `${token.slice(0, room - 1)}…` : token;
     label.append(svgEl("title"));
@@ -141,7 +141,7 @@ export function drawGraph() {
     mark.onclick = () => selectNode(node.node_id);
     svg.append(mark);
   }
-  drawLegend(svg, 8, height - 14);
+  drawLegend(svg, 8, 18);
 }
 
 // What the colours mean: the nodes' kinds and the links' signs.
@@ -159,7 +159,7 @@ function drawLegend(svg, x, y) {
     const label = svgEl("text", {x: at + 20, y});
     label.textContent = text;
     legend.append(label);
-    at += 26 + 5.6 * text.length;
+    at += 30 + 6 * text.length;
   }
   svg.append(legend);
 }
