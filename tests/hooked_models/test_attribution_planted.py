@@ -1,0 +1,139 @@
+"""Attribution bugs that test_attribution.py cannot see, each with an oracle and a fixture that tells the
+right code from the wrong one: the per-head loadings of every head of every layer (a permutation of heads
+keeps every sum), the salient logits of a prompt that does not hit `max_n_logits`, the logits weighted by
+their unequal probabilities, circuit-tracer's pruning rules on a hand-built graph big enough to separate
+them, and the JSON read back node by node and link by link against the graph object.
+
+The oracles share no attribution code: the linear replacement model is run forward here through the
+model's hooks, in float64, from the transcoders' weights; influence is solved as a linear system where the
+library sums a series; pruning is circuit-tracer's `prune_graph` (graph.py) written from its definition."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from hooked_models.attribution import AttributionGraph, attribute
+
+from .test_attribution import SEQ, make_transcoders
+
+
+def frozen(name: str) -> bool:
+    return name.endswith(".norm_scale") or name.endswith(".attention_probabilities")
+
+
+def head_outputs(layer: int) -> str:
+    return f"layers.{layer}.self_attn.attention_head_outputs"
+
+
+# ------------------------------------------------------------------------------------------ oracle
+def source_writes(model, tcs, tokens, graph) -> list[tuple[str, int, torch.Tensor]]:
+    """Where each of the graph's sources writes, in its column order: (hook, position, vector added there):
+    a feature its activation times its decoder row at its layer's MLP output, an error what the transcoder
+    misses there (from the weights: relu(x @ W_enc + b_enc) @ W_dec + b_dec + x @ W_skip.T), an
+    embedding the stream entering layer 0."""
+    names = [tcs.input_hook(l) for l in range(tcs.n_layers)] + [tcs.output_hook(l) for l in range(tcs.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens[None], names_filter=names + ["layers.0.layer_input"])
+    writes = []
+    for (layer, pos, feature), value in zip(graph.active_features.tolist(), graph.activation_values.tolist()):
+        writes.append((tcs.output_hook(layer), pos, value * tcs[layer].W_dec[feature].detach()))
+    for layer in range(tcs.n_layers):
+        tc, x = tcs[layer], cache[tcs.input_hook(layer)][0]
+        recons = torch.relu(x @ tc.W_enc + tc.b_enc) @ tc.W_dec + tc.b_dec + x @ tc.W_skip.T
+        error = cache[tcs.output_hook(layer)][0] - recons
+        writes += [(tcs.output_hook(layer), pos, error[pos].detach()) for pos in range(len(tokens))]
+    writes += [("layers.0.layer_input", pos, cache["layers.0.layer_input"][0, pos]) for pos in range(len(tokens))]
+    return writes
+
+
+def frozen_responses(model, tcs, tokens, graph, writes, held):
+    """The linear replacement model (norm scales, patterns and every transcoder's features frozen at the
+    prompt's; each MLP output its clean value plus its skip connection's response) run on one copy of the
+    prompt per row of `held`, copy b with source writes[b] added (None: none) and, at each layer, the heads
+    `held[b, layer]` pinned to their clean outputs. Returns each target's value in each copy
+    [copy target]: the features' pre-activations, then the logits minus the mean logit."""
+    batch, seq = held.shape[0], len(tokens)
+    names = [tcs.input_hook(l) for l in range(tcs.n_layers)] + [tcs.output_hook(l) for l in range(tcs.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens[None], names_filter=lambda n: frozen(n) or n in names or n in [
+            head_outputs(l) for l in range(tcs.n_layers)])
+    added = {name: torch.zeros(batch, seq, model.cfg.hidden_size, dtype=torch.float64)
+             for name in [*names[tcs.n_layers:], "layers.0.layer_input"]}
+    for b, write in enumerate(writes):
+        if write is not None:
+            name, pos, vector = write
+            added[name][b, pos] += vector
+    live = {}
+
+    def read(t, hook, layer):
+        live[layer] = t
+
+    def write_mlp(t, hook, layer):
+        x_clean = cache[tcs.input_hook(layer)]
+        return cache[hook.name] + (live[layer] - x_clean) @ tcs[layer].W_skip.T + added[hook.name]
+
+    def pin(t, hook, layer):
+        mask = held[:, layer][:, None, :, None]
+        return torch.where(mask, cache[hook.name].expand_as(t), t)
+
+    hooks = [(frozen, lambda t, hook: cache[hook.name].expand(batch, *cache[hook.name].shape[1:]).clone()),
+             ("layers.0.layer_input", lambda t, hook: t + added[hook.name])]
+    for l in range(tcs.n_layers):
+        hooks += [(tcs.input_hook(l), lambda t, hook, l=l: read(t, hook, l)),
+                  (tcs.output_hook(l), lambda t, hook, l=l: write_mlp(t, hook, l)),
+                  (head_outputs(l), lambda t, hook, l=l: pin(t, hook, l))]
+    with torch.no_grad():
+        logits = model.run_with_hooks(tokens[None].expand(batch, -1), fwd_hooks=hooks)[:, -1]
+    layer, pos, feature = graph.active_features.T
+    pre = torch.stack([live[l] @ tcs[l].W_enc + tcs[l].b_enc for l in range(tcs.n_layers)], 1)  # [copy layer seq f]
+    features = pre[:, layer, pos, feature]
+    demeaned = logits - logits.mean(-1, keepdim=True)
+    return torch.cat([features, demeaned[:, graph.logit_tokens]], 1)
+
+
+@pytest.fixture(scope="module", params=["arcee", "alpha_er"])
+def head_setup(request, tl_model_factory):
+    """A random model (Arcee: 4 query heads over 2 key/value heads), untied ReLU transcoders, its graph in
+    float32, and float64 copies of the model and transcoders for the oracle."""
+    model = tl_model_factory(request.param)
+    tcs = make_transcoders(model, d_transcoder=16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(5))
+    graph = attribute(model, tokens, tcs, batch_size=64)
+    return graph, copy.deepcopy(model).to(torch.float64), copy.deepcopy(tcs).to(torch.float64), tokens
+
+
+def test_every_head_loading_of_every_layer_is_its_heads_alone(head_setup):
+    """For every source, every target, every attention layer L and head h: the edge with only head h of L
+    let through (the others pinned to their clean outputs) minus the edge with none of L's heads let through
+    is `head_loadings[target, source, L, h]`; the latter is `attention_skips`, and with every head let through
+    the edge is the adjacency. Within 1e-5 of the largest edge; every head carries something."""
+    graph, model, tcs, tokens = head_setup
+    n_layers, n_heads = graph.n_layers, model.cfg.n_heads
+    writes = source_writes(model, tcs, tokens, graph)
+    modes = [None, *[(layer, head) for layer in range(n_layers) for head in range(n_heads + 1)]]  # head n_heads: none
+    held = torch.zeros(1 + len(writes) * len(modes), n_layers, n_heads, dtype=torch.bool)
+    for m, mode in enumerate(modes):
+        if mode is not None:
+            layer, head = mode
+            held[1 + m * len(writes) + torch.arange(len(writes)), layer] = torch.arange(n_heads) != head
+    responses = frozen_responses(model, tcs, tokens, graph, [None, *writes * len(modes)], held)
+    moved = (responses[1:] - responses[0]).reshape(len(modes), len(writes), -1).transpose(1, 2)  # [mode target source]
+    rows = torch.cat([torch.arange(graph.n_features), torch.arange(graph.logit_start, graph.n_nodes)])
+    columns = slice(0, graph.logit_start)
+    scale = graph.adjacency_matrix.abs().max()
+
+    def close(ours, oracle, what):
+        gap = (ours.double() - oracle).abs().max() / scale
+        assert gap <= 1e-5, f"{what}: {float(gap):.2e} of the largest edge"
+
+    close(graph.adjacency_matrix[rows][:, columns], moved[0], "edges")
+    by_mode = moved[1:].reshape(n_layers, n_heads + 1, len(rows), -1)
+    for layer in range(n_layers):
+        skip = by_mode[layer, n_heads]
+        close(graph.attention_skips[rows][:, columns, layer], skip, f"layer {layer}'s skip")
+        for head in range(n_heads):
+            oracle = by_mode[layer, head] - skip
+            assert oracle.abs().max() > 1e-3 * scale, (layer, head)  # the fixture: every head carries something
+            close(graph.head_loadings[rows][:, columns, layer, head], oracle, f"layer {layer} head {head}")
