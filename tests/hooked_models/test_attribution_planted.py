@@ -137,3 +137,86 @@ def test_every_head_loading_of_every_layer_is_its_heads_alone(head_setup):
             oracle = by_mode[layer, head] - skip
             assert oracle.abs().max() > 1e-3 * scale, (layer, head)  # the fixture: every head carries something
             close(graph.head_loadings[rows][:, columns, layer, head], oracle, f"layer {layer} head {head}")
+
+
+# --------------------------------------------------------------------------- logits and influence
+def most_probable(probs: torch.Tensor, desired: float, cap: int) -> torch.Tensor:
+    """The most probable tokens, one by one, until their probabilities sum to `desired` (at most `cap`)."""
+    order = probs.argsort(descending=True)
+    kept, total = [], 0.0
+    while total < desired and len(kept) < cap:
+        kept.append(int(order[len(kept)]))
+        total += float(probs[kept[-1]])
+    return torch.tensor(kept)
+
+
+def between(probs: torch.Tensor, k: int) -> float:
+    """A desired probability that the k most probable tokens cover and the k - 1 most probable do not,
+    halfway between the two sums (so that rounding cannot decide)."""
+    covered = probs.sort(descending=True).values.cumsum(0)
+    return float((covered[k - 1] + (covered[k - 2] if k > 1 else 0.0)) / 2)
+
+
+@pytest.fixture(scope="module", params=["arcee", "alpha_er"])
+def logit_setup(request, tl_model_factory):
+    """A graph of five logits of unequal probability, well below `max_n_logits` (the vocabulary)."""
+    model = tl_model_factory(request.param)
+    tcs = make_transcoders(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        probs = torch.softmax(model(tokens[None])[0, -1].double(), -1)
+    graph = attribute(model, tokens, tcs, desired_logit_prob=between(probs, 5), max_n_logits=model.cfg.d_vocab,
+                      head_loadings=False)
+    return model, tcs, tokens, probs, graph
+
+
+@pytest.mark.parametrize("k, cap", [(1, 50), (3, 50), (6, 50), (6, 4)])
+def test_the_logits_are_the_most_probable_until_the_desired_probability(logit_setup, k, cap):
+    """The logits kept: the most probable tokens until they cover `desired_logit_prob`, stopped at
+    `max_n_logits` only where it binds (cap 4 for six), with their probabilities."""
+    model, tcs, tokens, probs, _ = logit_setup
+    desired = between(probs, k)
+    graph = attribute(model, tokens, tcs, desired_logit_prob=desired, max_n_logits=cap, max_feature_nodes=4,
+                      head_loadings=False)
+    expected = most_probable(probs, desired, cap)
+    assert len(expected) == min(k, cap)
+    assert torch.equal(graph.logit_tokens, expected)
+    torch.testing.assert_close(graph.logit_probabilities.double(), probs[expected], rtol=1e-5, atol=0)
+
+
+def influence_of(adjacency: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """weights · (A + A² + ...) for A the row-normalized |adjacency|, solved: x (I - A) = weights · A."""
+    a = adjacency.double().abs()
+    a = a / a.sum(1, keepdim=True).clamp(min=1e-10)
+    return torch.linalg.solve(torch.eye(a.shape[0], dtype=a.dtype) - a.T, a.T @ weights.double())
+
+
+def output_weights(graph) -> torch.Tensor:
+    weights = torch.zeros(graph.n_nodes, dtype=torch.float64)
+    weights[graph.logit_start:] = graph.logit_probabilities.double()
+    return weights
+
+
+def test_influence_and_scores_weight_each_logit_by_its_probability(logit_setup):
+    """The cumulative influence `prune` reports and both `scores` are circuit-tracer's with each logit
+    weighted by its probability: influence solved here, replacement = the embeddings' share of the
+    embeddings' plus errors' influence, completeness = the non-error share of each row weighted by
+    influence + output weight."""
+    *_, graph = logit_setup
+    p = graph.logit_probabilities
+    assert graph.n_logits == 5 and p.max() > 1.2 * p.min()  # the fixture: unequal weights
+    weights = output_weights(graph)
+    influence = influence_of(graph.adjacency_matrix, weights)
+    order = influence.argsort(descending=True)
+    cumulative = torch.zeros_like(influence)
+    cumulative[order] = influence[order].cumsum(0) / influence.sum()
+    torch.testing.assert_close(graph.prune(0.8, 0.98).cumulative_influence.double(), cumulative, rtol=0, atol=1e-5)
+
+    errors = slice(graph.error_start, graph.embedding_start)
+    tokens = influence[graph.embedding_start:graph.logit_start].sum()
+    replacement = tokens / (tokens + influence[errors].sum())
+    a = graph.adjacency_matrix.double().abs()
+    error_share = a[:, errors].sum(1) / a.sum(1).clamp(min=1e-10)
+    output = influence + weights
+    completeness = ((1 - error_share) * output).sum() / output.sum()
+    assert graph.scores() == pytest.approx((float(replacement), float(completeness)), rel=1e-5)
