@@ -220,3 +220,80 @@ def test_influence_and_scores_weight_each_logit_by_its_probability(logit_setup):
     output = influence + weights
     completeness = ((1 - error_share) * output).sum() / output.sum()
     assert graph.scores() == pytest.approx((float(replacement), float(completeness)), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ pruning
+def share_cut(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The smallest of the highest scores that together make `fraction` of their total."""
+    ordered = scores.sort(descending=True).values
+    reach = ordered.cumsum(0) / ordered.sum()
+    return ordered[min(int((reach < fraction).sum()), len(ordered) - 1)]
+
+
+def pruned_by_definition(graph, node_threshold: float, edge_threshold: float, features_need_inputs: bool = True):
+    """circuit-tracer's `prune_graph`: nodes of the top `node_threshold` of influence (embeddings and logits
+    always), edges of the top `edge_threshold` of edge influence among them (normalized weight times the
+    target's influence plus output weight), then, until nothing changes, edges only between kept nodes,
+    features and errors without an outgoing edge dropped, features without an incoming edge dropped (unless
+    not `features_need_inputs`: to show that a fixture exercises that rule)."""
+    weights = output_weights(graph)
+    always = graph.embedding_start
+    influence = influence_of(graph.adjacency_matrix, weights)
+    node_mask = influence >= share_cut(influence, node_threshold)
+    node_mask[always:] = True
+    kept = graph.adjacency_matrix.double() * node_mask[:, None] * node_mask[None, :]
+    normalized = kept.abs() / kept.abs().sum(1, keepdim=True).clamp(min=1e-10)
+    edge_scores = normalized * (influence_of(kept, weights) + weights)[:, None]
+    edge_mask = edge_scores >= share_cut(edge_scores.flatten(), edge_threshold)
+    while True:
+        edge_mask &= node_mask[:, None] & node_mask[None, :]
+        before = node_mask.clone()
+        node_mask[:always] &= edge_mask[:, :always].any(0)
+        if features_need_inputs:
+            node_mask[:graph.n_features] &= edge_mask[:graph.n_features].any(1)
+        if torch.equal(before, node_mask):
+            return node_mask, edge_mask
+
+
+@pytest.fixture(scope="module")
+def hand_built():
+    """A graph of 3 layers x 5 positions with 24 features and 4 logits of unequal probability, edges
+    where the model would have them (a feature or logit reads features and errors of earlier layers and
+    embeddings, at its own position or before), about half of them present, heavy-tailed in size."""
+    generator = torch.Generator().manual_seed(11)
+    n_layers, n_pos, per_layer = 3, 5, 8
+    features = sorted((l, int(p), int(f)) for l in range(n_layers) for f, p in enumerate(
+        torch.randint(0, n_pos, (per_layer,), generator=generator)))
+    where = [(l, p) for l, p, _ in features] + [(l, p) for l in range(n_layers) for p in range(n_pos)]
+    where += [(-1, p) for p in range(n_pos)] + [(n_layers, n_pos - 1)] * 4
+    n = len(where)
+    layer, pos = torch.tensor(where).T
+    n_sources = n - 4
+    readable = (layer[:, None] > layer[None, :]) & (pos[:, None] >= pos[None, :])
+    readable[:, n_sources:] = False
+    readable[len(features):n_sources] = False  # errors and embeddings read nothing
+    present = torch.rand(n, n, generator=generator) < 0.5
+    sizes = torch.randn(n, n, generator=generator) * torch.exp(1.5 * torch.randn(n, n, generator=generator))
+    return AttributionGraph(tokens=torch.arange(n_pos) + 3, active_features=torch.tensor(features),
+                            activation_values=torch.rand(len(features), generator=generator) + 0.5,
+                            logit_tokens=torch.tensor([7, 2, 9, 4]),
+                            logit_probabilities=torch.tensor([0.45, 0.25, 0.15, 0.1]),
+                            adjacency_matrix=torch.where(readable & present, sizes, torch.zeros(n, n)),
+                            n_layers=n_layers)
+
+
+@pytest.mark.parametrize("node_threshold, edge_threshold, inputs_rule_bites",
+                         [(0.8, 0.98, False), (0.6, 0.9, False), (0.9, 0.6, False), (0.8, 0.5, True), (0.95, 0.7, True)])
+def test_prune_keeps_what_circuit_tracers_rules_keep(hand_built, node_threshold, edge_threshold, inputs_rule_bites):
+    """`prune` on a hand-built graph is `prune_graph` by its definition, node by node and edge by edge;
+    and the fixture tells the rules apart: the thresholds swapped keep other nodes, and at two settings
+    some kept feature loses every incoming edge."""
+    graph = hand_built
+    pruned = graph.prune(node_threshold, edge_threshold)
+    node_mask, edge_mask = pruned_by_definition(graph, node_threshold, edge_threshold)
+    assert torch.equal(pruned.node_mask, node_mask)
+    assert torch.equal(pruned.edge_mask, edge_mask)
+    assert 0 < int(node_mask[:graph.n_features].sum()) < graph.n_features
+    assert not torch.equal(pruned_by_definition(graph, edge_threshold, node_threshold)[0], node_mask)
+    without = pruned_by_definition(graph, node_threshold, edge_threshold, features_need_inputs=False)[0]
+    assert torch.equal(without, node_mask) != inputs_rule_bites
