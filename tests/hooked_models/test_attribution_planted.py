@@ -297,3 +297,64 @@ def test_prune_keeps_what_circuit_tracers_rules_keep(hand_built, node_threshold,
     assert not torch.equal(pruned_by_definition(graph, edge_threshold, node_threshold)[0], node_mask)
     without = pruned_by_definition(graph, node_threshold, edge_threshold, features_need_inputs=False)[0]
     assert torch.equal(without, node_mask) != inputs_rule_bites
+
+
+# --------------------------------------------------------------------------------------------- JSON
+def expected_nodes(graph) -> dict[str, dict]:
+    """Each node of the graph under its circuit-tracer node id, with what the file must say of it: its
+    layer, position (`ctx_idx`), kind, and index in the graph (features `{layer}_{index}_{position}`,
+    errors `{layer}_-1_{position}`, embeddings `E_{token}_{position}`, logits `{n_layers + 1}_{token}_{last}`)."""
+    nodes, last = {}, graph.n_pos - 1
+    for i, (layer, pos, feature) in enumerate(graph.active_features.tolist()):
+        nodes[f"{layer}_{feature}_{pos}"] = dict(index=i, layer=str(layer), ctx_idx=pos,
+                                                 feature_type="cross layer transcoder")
+    for layer in range(graph.n_layers):
+        for pos in range(graph.n_pos):
+            nodes[f"{layer}_-1_{pos}"] = dict(index=graph.n_features + layer * graph.n_pos + pos, layer=str(layer),
+                                              ctx_idx=pos, feature_type="mlp reconstruction error")
+    for pos, token in enumerate(graph.tokens.tolist()):
+        nodes[f"E_{token}_{pos}"] = dict(index=graph.embedding_start + pos, layer="E", ctx_idx=pos,
+                                         feature_type="embedding")
+    for k, token in enumerate(graph.logit_tokens.tolist()):
+        nodes[f"{graph.n_layers + 1}_{token}_{last}"] = dict(index=graph.logit_start + k, layer=str(graph.n_layers + 1),
+                                                            ctx_idx=last, feature_type="logit")
+    return nodes
+
+
+def test_the_json_says_what_the_graph_says_node_by_node_and_link_by_link(logit_setup, tmp_path):
+    """Every node of the pruned graph's file is a kept node of the graph with its layer, position, kind,
+    cumulative influence, activation (features) and probability (logits); the links are exactly the kept
+    edges, each from its source to its target with the adjacency's [target, source] weight."""
+    same_in_the_file(logit_setup[-1].prune(0.8, 0.9), tmp_path)
+
+
+def test_the_json_of_the_hand_built_graph_says_what_it_says(hand_built, tmp_path):
+    same_in_the_file(hand_built.prune(0.8, 0.9), tmp_path)
+
+
+def same_in_the_file(graph, tmp_path):
+    data = json.loads(graph.to_json(tmp_path / "graph.json").read_text())
+    expected = expected_nodes(graph)
+    ids = {entry["index"]: node_id for node_id, entry in expected.items()}
+    targets, sources = graph.edge_mask.nonzero(as_tuple=True)
+    links = {(ids[s], ids[t]): float(graph.adjacency_matrix[t, s]) for t, s in zip(targets.tolist(), sources.tolist())}
+    assert len(links) > 10 and any(graph.node_kind(s) == "feature" and graph.node_kind(t) == "feature"
+                                   for t, s in zip(targets.tolist(), sources.tolist()))  # the fixture: feature to feature
+    assert {(link["source"], link["target"]): link["weight"] for link in data["links"]} == links
+    assert len(data["links"]) == len(links)
+
+    linked = {node_id for pair in links for node_id in pair}
+    kept = {ids[i] for i in graph.node_mask.nonzero().flatten().tolist()}
+    shown = {node_id for node_id in kept if node_id in linked or expected[node_id]["feature_type"] in ("embedding", "logit")}
+    assert sorted(node["node_id"] for node in data["nodes"]) == sorted(shown)  # each once
+    for node in data["nodes"]:
+        entry = expected[node["node_id"]]
+        i = entry["index"]
+        assert {key: node[key] for key in ("layer", "ctx_idx", "feature_type")} == {
+            key: entry[key] for key in ("layer", "ctx_idx", "feature_type")}, node
+        assert node["influence"] == pytest.approx(float(graph.cumulative_influence[i]), abs=1e-7), node
+        if entry["feature_type"] == "cross layer transcoder":
+            assert node["activation"] == pytest.approx(float(graph.activation_values[i]), abs=1e-7), node
+        if entry["feature_type"] == "logit":
+            assert node["token_prob"] == pytest.approx(float(graph.logit_probabilities[i - graph.logit_start])), node
+    assert len({node["ctx_idx"] for node in data["nodes"]}) > 2 and len({node["influence"] for node in data["nodes"]}) > 5
