@@ -10,6 +10,10 @@ library sums a series; pruning is circuit-tracer's `prune_graph` (graph.py) writ
 
 import copy
 import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,8 @@ import torch
 from hooked_models.attribution import AttributionGraph, attribute
 
 from .test_attribution import SEQ, make_transcoders
+
+SIDE_PYTHON = Path(__file__).resolve().parents[2] / ".ci" / "ct-env" / "bin" / "python"
 
 
 def frozen(name: str) -> bool:
@@ -282,8 +288,11 @@ def hand_built():
                             n_layers=n_layers)
 
 
+THRESHOLDS = [(0.8, 0.98), (0.6, 0.9), (0.9, 0.6), (0.8, 0.5), (0.95, 0.7)]
+
+
 @pytest.mark.parametrize("node_threshold, edge_threshold, inputs_rule_bites",
-                         [(0.8, 0.98, False), (0.6, 0.9, False), (0.9, 0.6, False), (0.8, 0.5, True), (0.95, 0.7, True)])
+                         [(*pair, pair in [(0.8, 0.5), (0.95, 0.7)]) for pair in THRESHOLDS])
 def test_prune_keeps_what_circuit_tracers_rules_keep(hand_built, node_threshold, edge_threshold, inputs_rule_bites):
     """`prune` on a hand-built graph is `prune_graph` by its definition, node by node and edge by edge;
     and the fixture tells the rules apart: the thresholds swapped keep other nodes, and at two settings
@@ -297,6 +306,42 @@ def test_prune_keeps_what_circuit_tracers_rules_keep(hand_built, node_threshold,
     assert not torch.equal(pruned_by_definition(graph, edge_threshold, node_threshold)[0], node_mask)
     without = pruned_by_definition(graph, node_threshold, edge_threshold, features_need_inputs=False)[0]
     assert torch.equal(without, node_mask) != inputs_rule_bites
+
+
+# The side half: circuit-tracer's own prune_graph and compute_graph_scores on the same adjacency (its Graph
+# read through the attributes they use; imports nothing of hooked_models).
+SIDE_SCRIPT = textwrap.dedent("""
+    import sys
+    from types import SimpleNamespace
+    import torch
+    from circuit_tracer.graph import compute_graph_scores, prune_graph
+    given = torch.load(sys.argv[1])
+    graph = SimpleNamespace(**given["graph"], cfg=SimpleNamespace(n_layers=given["n_layers"]))
+    pruned = {pair: prune_graph(graph, *pair) for pair in given["thresholds"]}
+    torch.save({"pruned": {pair: tuple(result) for pair, result in pruned.items()},
+                "scores": compute_graph_scores(graph)}, sys.argv[2])
+""")
+
+
+@pytest.mark.skipif(not SIDE_PYTHON.exists(), reason=f"no side environment at {SIDE_PYTHON} "
+                    "(bash .ci/ct-env.sh builds it: circuit-tracer 0.5.0)")
+def test_prune_and_scores_are_circuit_tracers_own_on_the_hand_built_graph(hand_built, tmp_path):
+    graph = hand_built
+    given = {"graph": {"adjacency_matrix": graph.adjacency_matrix, "input_tokens": graph.tokens,
+                       "logit_targets": graph.logit_tokens.tolist(), "logit_probabilities": graph.logit_probabilities,
+                       "selected_features": torch.arange(graph.n_features)},
+             "n_layers": graph.n_layers, "thresholds": THRESHOLDS}
+    torch.save(given, tmp_path / "graph.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([str(SIDE_PYTHON), "-c", SIDE_SCRIPT, str(tmp_path / "graph.pt"), str(tmp_path / "theirs.pt")],
+                   check=True, env=env, cwd=tmp_path)
+    theirs = torch.load(tmp_path / "theirs.pt")
+    for pair in THRESHOLDS:
+        node_mask, edge_mask, cumulative = theirs["pruned"][pair]
+        ours = graph.prune(*pair)
+        assert torch.equal(ours.node_mask, node_mask) and torch.equal(ours.edge_mask, edge_mask), pair
+        torch.testing.assert_close(ours.cumulative_influence, cumulative, rtol=0, atol=1e-6)
+    assert graph.scores() == pytest.approx(theirs["scores"], rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- JSON
