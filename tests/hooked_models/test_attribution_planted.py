@@ -6,7 +6,8 @@ them, and the JSON read back node by node and link by link against the graph obj
 
 The oracles share no attribution code: the linear replacement model is run forward here through the
 model's hooks, in float64, from the transcoders' weights; influence is solved as a linear system where the
-library sums a series; pruning is circuit-tracer's `prune_graph` (graph.py) written from its definition."""
+library sums a series; pruning is circuit-tracer's `prune_graph` (graph.py) written from its definition and,
+where the side environment .ci/ct-env exists, circuit-tracer's own `prune_graph` and `compute_graph_scores`."""
 
 import copy
 import json
