@@ -160,6 +160,12 @@ def test_attention_view_on_alpha_er(alpha_er_page, alpha_er):
     page.click("#head-1-2")
     page.wait_for_function("document.querySelector('#attention-plot .gtitle').textContent.includes('before the soft cap')")
     assert page.locator("#attention-heads .kv-group").count() == 8  # no GQA: a key/value head per head
+    # the scores before the cap: the cache's, with every future key (masked by the causal softmax) blank
+    drawn = page.evaluate("document.getElementById('attention-plot').data[0].z")
+    raw = cache["layers.1.self_attn.score_mod.attention_raw_scores"][0, 2]
+    for q, row in enumerate(drawn):
+        assert row[q + 1:] == [None] * (len(row) - q - 1)
+        assert row[:q + 1] == pytest.approx(raw[q, :q + 1].tolist(), abs=1e-6)
 
 
 def test_patching_view(page, screenshots, arcee):
