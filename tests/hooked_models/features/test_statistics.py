@@ -205,3 +205,19 @@ def test_bad_input_is_a_clear_error_and_leaves_nothing(arcee, data_dir, sae, tmp
     with pytest.raises(ValueError, match="the dataset has no rows"):
         features.statistics(arcee, sae, dataset=np.zeros((0, 16), dtype=np.int64), out=out)
     assert not out.exists()
+
+
+def test_a_local_run_imports_no_ray(data_dir):
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from hooked_models import features, HookedArcee; "
+            "sae = torch.nn.Module(); sae.W_enc = torch.nn.Parameter(torch.randn(64, 4)); "
+            "sae.W_dec = torch.nn.Parameter(torch.randn(4, 64)); sae.hook_name = 'layers.1.layer_output'; "
+            "sae.encode = lambda x: torch.relu(x @ sae.W_enc); "
+            f"features.statistics({str(data_dir / 'acts')!r}, sae, model=HookedArcee.from_pretrained('embedded'), "
+            "progress=False); print('ray' in sys.modules)")
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[3])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": root})
+    assert done.stdout.strip() == "False", done.stderr
