@@ -189,11 +189,15 @@ class AttributionGraph:
 
     # -------------------------------------------------------------------------------- export
     def to_json(self, path: "str | os.PathLike", slug: str | None = None, node_threshold: float = 0.8,
-                edge_threshold: float = 0.98) -> Path:
+                edge_threshold: float = 0.98, features=None, labels=None) -> Path:
         """Write the pruned graph (pruned here with the thresholds unless `prune` was called) in
         circuit-tracer's graph-file schema (`frontend/graph_models.py`), which its local viewer and
         Neuronpedia open. Node ids are circuit-tracer's; the file also carries, under `hooked_models`,
-        what `from_json` needs to rebuild this graph with every node and edge."""
+        what `from_json` needs to rebuild this graph with every node and edge.
+
+        features: a `features.statistics` result of the graph's transcoders: its nodes' feature files are
+        written beside the graph where circuit-tracer's viewer reads them, each node labelled (`clerp`:
+        the heuristic label, or the user's from `labels`, a JSON or CSV of layer, feature, label)."""
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
         path = Path(path)
         slug = slug or path.stem
@@ -213,6 +217,10 @@ class AttributionGraph:
             "hooked_models": self._state(),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
+        if features is not None:
+            from hooked_models.features.circuit_tracer_files import write_beside_graph
+
+            data = write_beside_graph(data, path, features, labels)
         path.write_text(json.dumps(data, indent=1))
         return path
 
