@@ -141,12 +141,11 @@ def priority(index: Int[Tensor, " entry"], feature: Int[Tensor, " entry"]) -> In
     return (h * _A + _C) % _P
 
 
-def _ranked(entries: Examples, keys: list[Tensor], group: Tensor, limit: int) -> Examples:
-    """The first `limit` entries of each `group` value, ordered by `keys` (most significant first, ties to
-    the smaller corpus index), the kept entries in that order."""
+def _ranked(entries: Examples, key: Tensor, group: Tensor, limit: int) -> Examples:
+    """The first `limit` entries of each `group` value (a prefix of `key`'s order), ordered by `key`, ties to
+    the smaller corpus index, the kept entries in that order."""
     order = torch.argsort(entries.index, stable=True)
-    for key in reversed(keys):
-        order = order[torch.argsort(key[order], stable=True)]
+    order = order[torch.argsort(key[order], stable=True)]
     g = group[order]
     n = g.numel()
     position = torch.arange(n)
@@ -157,12 +156,14 @@ def _ranked(entries: Examples, keys: list[Tensor], group: Tensor, limit: int) ->
 
 
 def _select_top(entries: Examples, limits: Limits) -> Examples:
-    return _ranked(entries, [entries.feature, -entries.act], entries.feature, limits.k)
+    # (feature, -act) in one int64: a positive float32's bits order as the float does
+    descending = (2**31 - 1) - entries.act.float().view(torch.int32).long()
+    return _ranked(entries, entries.feature * 2**31 + descending, entries.feature, limits.k)
 
 
 def _select_samples(entries: Examples, limits: Limits) -> Examples:
     group = entries.feature * limits.intervals + entries.group
-    return _ranked(entries, [group, entries.priority], group, limits.per_interval)
+    return _ranked(entries, group * _P + entries.priority, group, limits.per_interval)
 
 
 def _windows(ids: Int[Tensor, "row seq"], acts: Float[Tensor, "row seq d_sae"], row: Tensor, pos: Tensor,
@@ -243,13 +244,22 @@ def _coarsened(part: Partial, exponent: Tensor) -> tuple[Tensor, Examples]:
 
 def merge(a: Partial, b: Partial) -> Partial:
     """The statistics of the two stretches together: the same whatever the order or the cut."""
-    if a.limits != b.limits:
-        raise ValueError(f"partial statistics of different limits cannot merge: {a.limits} and {b.limits}")
-    limits = a.limits
-    exponent = torch.maximum(a.exponent, b.exponent)
-    hist_a, samples_a = _coarsened(a, exponent)
-    hist_b, samples_b = _coarsened(b, exponent)
-    return Partial(limits, a.tokens + b.tokens, a.active + b.active, torch.minimum(a.act_min, b.act_min),
-                   torch.maximum(a.act_max, b.act_max), exponent, hist_a + hist_b,
-                   _select_top(Examples.cat([a.top, b.top]), limits),
-                   _select_samples(Examples.cat([samples_a, samples_b]), limits))
+    return merge_all([a, b])
+
+
+def merge_all(parts: list[Partial]) -> Partial:
+    """The statistics of all the stretches together (one selection for all: cheaper than merging in pairs)."""
+    limits = parts[0].limits
+    for part in parts[1:]:
+        if part.limits != limits:
+            raise ValueError(f"partial statistics of different limits cannot merge: {limits} and {part.limits}")
+    exponent = parts[0].exponent
+    for part in parts[1:]:
+        exponent = torch.maximum(exponent, part.exponent)
+    coarse = [_coarsened(part, exponent) for part in parts]
+    act_min, act_max = parts[0].act_min, parts[0].act_max
+    for part in parts[1:]:
+        act_min, act_max = torch.minimum(act_min, part.act_min), torch.maximum(act_max, part.act_max)
+    return Partial(limits, sum(p.tokens for p in parts), sum(p.active for p in parts), act_min, act_max, exponent,
+                   sum(h for h, _ in coarse), _select_top(Examples.cat([p.top for p in parts]), limits),
+                   _select_samples(Examples.cat([s for _, s in coarse]), limits))

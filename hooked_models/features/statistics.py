@@ -28,13 +28,15 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from hooked_models.corpus.engines import Worker, check_engine, run
-from hooked_models.features.partial import Limits, Partial, merge, of_batch
+from hooked_models.features.partial import Limits, Partial, merge, merge_all, of_batch
 from hooked_models.features.reading import d_sae_of, open_harvest
 from hooked_models.features.results import META, FeatureStatistics, LayerStatistics
 from hooked_models.progress import ProgressArg, tracker
 from hooked_models.saes import sae_hook_name
 
 CHECKPOINT = "checkpoint.safetensors"
+# Batch partials merged at once in a worker (the result is the same for any number: the merge is exact).
+MERGE_EVERY = 8
 # Logits per feature in the result (circuit-tracer's viewer shows about ten of each).
 N_LOGITS = 10
 
@@ -125,16 +127,19 @@ class StatisticsWorker(Worker):
         shards, blobs = [], []
         for shard in batch["shard"].tolist():
             start, stop = plan.shard_rows(shard)
-            partials = [Partial.empty(plan.limits) for _ in plan.encoders]
+            partials = [[Partial.empty(plan.limits)] for _ in plan.encoders]
             for first in range(start, stop, plan.batch_size):
                 last = min(first + plan.batch_size, stop)
                 ids, values = self._rows(view, names, first, last)
                 with torch.no_grad():
                     for i, encoder in enumerate(plan.encoders):
                         acts = _encode(plan.saes, encoder, values[encoder.name])
-                        partials[i] = merge(partials[i], of_batch(acts, ids, first, plan.limits))
+                        partials[i].append(of_batch(acts, ids, first, plan.limits))
+                        if len(partials[i]) == MERGE_EVERY:  # merged a few batches at a time: fewer sorts
+                            partials[i] = [merge_all(partials[i])]
                 if self.on_batch is not None:
                     self.on_batch((last - first) * plan.context_size)
+            partials = [merge_all(parts) for parts in partials]
             tensors = {}
             for i, part in enumerate(partials):
                 tensors.update(part.tensors(f"{i}."))
@@ -346,7 +351,10 @@ def _finish(model, saes, encs, partials, rows, context_size, job) -> FeatureStat
             used.update(t.flatten().tolist())
     used.discard(-1)
     ids = sorted(used)
-    strings = dict(zip(ids, model.to_str_tokens(torch.tensor(ids, dtype=torch.long)) if ids else []))
+    if getattr(model, "tokenizer", None) is None:  # a model without one: tokens shown as their ids
+        strings = {i: str(i) for i in ids}
+    else:
+        strings = dict(zip(ids, model.to_str_tokens(torch.tensor(ids, dtype=torch.long)) if ids else []))
     return FeatureStatistics(layers, context_size, rows, strings, getattr(model.cfg, "model_name", "") or "", job)
 
 
