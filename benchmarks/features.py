@@ -19,7 +19,6 @@ import shutil
 import statistics as stats_
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, hf_arcee_config, memory, randomize_  # noqa: E402
+from benchmarks.common import Results, hf_arcee_config, memory, peak_anon_during, randomize_  # noqa: E402
 
 BATCH = 64  # rows per batch, for every contender
 
@@ -62,7 +61,7 @@ def compare(model, harvest: str, transcoders, layers, dashboards: int, rounds: i
     for _ in range(rounds):
         times["bare_encode"].append(cpu_seconds(lambda: bare_pass(harvest, transcoders, layers)))
         times["statistics"].append(cpu_seconds(run_statistics))
-    n_features = len(layers) * (transcoders.d_transcoder if hasattr(transcoders, "n_layers") else transcoders.d_sae)
+    n_features = len(layers) * transcoders.d_transcoder
     one = transcoders[layers[0][1]] if hasattr(transcoders, "n_layers") else transcoders
     board = [cpu_seconds(lambda f=f: features.dashboard(model, harvest, one, f, batch_size=BATCH))
              for f in range(dashboards)]
@@ -82,20 +81,10 @@ def child(harvest: str) -> None:
     torch.set_num_threads(1)
     model = HookedArcee.from_pretrained("embedded")
     tcs = load_transcoders("embedded", model=model)
-    peak, running = [memory("RssAnon")], True
-    before = peak[0]
-
-    def sample():
-        while running:
-            peak[0] = max(peak[0], memory("RssAnon"))
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    cpu = cpu_seconds(lambda: features.statistics(harvest, tcs, model=model, batch_size=BATCH, progress=False))
-    running = False
-    sampler.join()
-    print(json.dumps({"anon_before_bytes": before, "peak_anon_bytes": peak[0], "cpu_s": round(cpu, 2)}))
+    before = memory("RssAnon")
+    peak, cpu = peak_anon_during(lambda: features.statistics(harvest, tcs, model=model, batch_size=BATCH,
+                                                             progress=False))
+    print(json.dumps({"anon_before_bytes": before, "peak_anon_bytes": peak, "cpu_s": round(cpu, 2)}))
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load as load_bytes
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
-from hooked_models.corpus.engines import Worker, check_engine, run
+from hooked_models.corpus.engines import Shards, Worker, check_engine, run
 from hooked_models.features.partial import Limits, Partial, merge, merge_all, of_batch
 from hooked_models.features.reading import d_sae_of, open_harvest
 from hooked_models.features.results import META, FeatureStatistics, LayerStatistics
@@ -91,7 +91,7 @@ def _writes(saes, source: int, target: int) -> bool:
 
 
 @dataclass(frozen=True)
-class StatisticsPlan:
+class StatisticsPlan(Shards):
     """What every worker needs: where the rows come from (a harvest, or token windows through the model),
     the encoders and their limits, and how rows are batched and sharded."""
 
@@ -105,13 +105,6 @@ class StatisticsPlan:
     rows: int
     context_size: int
     threads: int
-
-    def shard_rows(self, shard: int) -> tuple[int, int]:
-        return shard * self.shard_size, min((shard + 1) * self.shard_size, self.rows)
-
-    @property
-    def shards(self) -> int:
-        return -(-self.rows // self.shard_size)
 
 
 class StatisticsWorker(Worker):
