@@ -198,7 +198,8 @@ def of_batch(acts: Float[Tensor, "row seq d_sae"], ids: Int[Tensor, "row seq"], 
     if acts.numel() == 0:
         return part
     flat = acts.reshape(-1, d)
-    part.act_min, part.act_max = flat.min(0).values, flat.max(0).values
+    peak, where = acts.max(dim=1)  # [row d_sae]: each row's peak, its first position on a tie
+    part.act_min, part.act_max = flat.min(0).values, peak.max(0).values
     fired = part.act_max > 0
     # max = m·2^e with m in [0.5, 1): every activation lies in [0, 2^e)
     part.exponent = torch.where(fired, torch.frexp(part.act_max).exponent.long(), NEVER)
@@ -215,8 +216,7 @@ def of_batch(acts: Float[Tensor, "row seq d_sae"], ids: Int[Tensor, "row seq"], 
     kept = _select_samples(entries, limits)
     part.samples = Examples(kept.feature, kept.group, kept.priority, kept.act, kept.index,
                             *_windows(ids, acts, kept.index // seq - first_row, kept.index % seq, kept.feature, limits.radius))
-    # the top windows: one per row, at the row's peak (its first position on a tie)
-    peak, where = acts.max(dim=1)  # [row d_sae]
+    # the top windows: one per row, at the row's peak
     row, feature = (peak > 0).nonzero(as_tuple=True)
     index = (first_row + row) * seq + where[row, feature]
     entries = _unwindowed(feature, torch.zeros_like(feature), torch.zeros_like(feature), peak[row, feature], index)

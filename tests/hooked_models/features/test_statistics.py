@@ -6,6 +6,7 @@ The oracle reads the harvest with numpy from its Arrow files and applies the SAE
 (so its activations are the same floats), then computes every statistic directly from all of them."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,3 +222,32 @@ def test_a_local_run_imports_no_ray(data_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
                           env={**__import__("os").environ, "PYTHONPATH": root})
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_killed_run_finishes_on_rerun_with_the_uninterrupted_result(arcee, data_dir, sae, tmp_path):
+    """SIGKILL mid-run (in a child process, after 7 batches: shards 0-2 checkpointed, shard 3 half done)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "stats"
+    torch.save(sae, tmp_path / "sae.pt")
+    code = (f"import os, signal, sys, torch; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+            "from hooked_models import HookedArcee, features\n"
+            f"sae = torch.load({str(tmp_path / 'sae.pt')!r}, weights_only=False)\n"
+            "steps = []\n"
+            "def kill(step):\n    steps.append(step)\n"
+            "    if len(steps) == 8: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"features.statistics({str(data_dir / 'acts')!r}, sae, model=HookedArcee.from_pretrained('embedded'), "
+            f"out={str(out)!r}, k=3, radius=2, batch_size=4, shard_size=8, progress=kill)\n")
+    root = str(Path(__file__).resolve().parents[3])
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root},
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert not (out / "statistics.json").exists() and (out / "checkpoint.safetensors").exists()
+    again = features.statistics(data_dir / "acts", sae, model=arcee, out=out, k=3, radius=2, batch_size=4,
+                                shard_size=8, progress=False)
+    whole = features.statistics(data_dir / "acts", sae, model=arcee, k=3, radius=2, batch_size=4, progress=False)
+    for a, b in zip(whole.layers[0].partial.tensors().values(), again.layers[0].partial.tensors().values()):
+        assert torch.equal(a, b)
