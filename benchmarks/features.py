@@ -7,8 +7,9 @@ Two transcoder sets, each over a harvest of the value it reads: the embedded Arc
 256 TopK features) over IOI prompts, and one 8,192-wide TopK transcoder of layer 3 of a random 8 x 1024 Arcee
 over random token windows. For each: the CPU time (one thread, median of interleaved rounds) of
 `features.statistics` over the harvest, of a bare pass reading the same batches and encoding every layer
-(the floor: what any statistic needs), and of `features.dashboard` for a few features, scaled to all of them
-(it reads the whole harvest once per feature). Then the peak anonymous memory (RssAnon, sampled every 5 ms)
+(the floor: what any statistic needs), of the logits part alone (every feature's decoder through the
+unembedding: fixed per feature, whatever the corpus's length), and of `features.dashboard` for a few
+features, scaled to all of them (it reads the whole harvest once per feature). Then the peak anonymous memory (RssAnon, sampled every 5 ms)
 of a child process computing the embedded statistics over 1x and 10x the corpus. Results go to
 benchmarks/results/features.json, which benchmarks/figures.py renders.
 """
@@ -57,10 +58,17 @@ def compare(model, harvest: str, transcoders, layers, dashboards: int, rounds: i
     def run_statistics():
         features.statistics(harvest, transcoders, model=model, batch_size=BATCH, progress=False)
 
-    times = {"statistics": [], "bare_encode": []}
+    from hooked_models.features.statistics import N_LOGITS, _directions, logit_table
+
+    def run_logits():  # the logits part of `statistics`: fixed per feature, whatever the corpus's length
+        for _, layer in layers:
+            logit_table(model, _directions(transcoders, layer).detach(), N_LOGITS)
+
+    times = {"statistics": [], "bare_encode": [], "logits": []}
     for _ in range(rounds):
         times["bare_encode"].append(cpu_seconds(lambda: bare_pass(harvest, transcoders, layers)))
         times["statistics"].append(cpu_seconds(run_statistics))
+        times["logits"].append(cpu_seconds(run_logits))
     n_features = len(layers) * transcoders.d_transcoder
     one = transcoders[layers[0][1]] if hasattr(transcoders, "n_layers") else transcoders
     board = [cpu_seconds(lambda f=f: features.dashboard(model, harvest, one, f, batch_size=BATCH))
@@ -69,6 +77,8 @@ def compare(model, harvest: str, transcoders, layers, dashboards: int, rounds: i
     return {"features": n_features, "rounds": rounds, "statistics_cpu_s": round(median["statistics"], 3),
             "bare_encode_cpu_s": round(median["bare_encode"], 3),
             "ratio": round(median["statistics"] / median["bare_encode"], 3),
+            "logits_cpu_s": round(median["logits"], 3),
+            "pass_ratio": round((median["statistics"] - median["logits"]) / median["bare_encode"], 3),
             "dashboards_timed": dashboards, "dashboard_cpu_s_each": round(stats_.median(board), 3),
             "dashboards_all_cpu_s": round(stats_.median(board) * n_features, 1),
             "dashboards_over_statistics": round(stats_.median(board) * n_features / median["statistics"], 1)}
