@@ -91,6 +91,18 @@ class LayerStatistics:
         return [(g * width, (g + 1) * width, sorted(groups[g], key=lambda w: -w.peak))
                 for g in sorted(groups, reverse=True)]
 
+    def board(self, feature: int) -> dict:
+        """The feature as `features.dashboard`'s fields (what the explorer's features view draws), read from
+        these statistics: no pass over the corpus. `mean_active` is None (the statistics keep no float sum)."""
+        counts, edges = self.histogram(feature)
+        strings = lambda ids: [self.token_strings.get(int(t), str(int(t))) for t in ids]  # noqa: E731
+        return {"feature": feature, "name": self.name, "d_sae": self.d_sae, "tokens": self.partial.tokens,
+                "density": float(self.frequency()[feature]), "max_activation": max(float(self.partial.act_max[feature]), 0.0),
+                "mean_active": None, "windows": [asdict(w) for w in self.top_windows(feature)], "counts": counts,
+                "edges": edges, "promoted": list(zip(strings(self.top_logits[feature]), self.top_values[feature].tolist())),
+                "suppressed": list(zip(strings(self.bottom_logits[feature]), self.bottom_values[feature].tolist())),
+                "logit_note": self.logit_note}
+
     def _window(self, examples, i: int) -> Window:
         seq, radius = self.context_size, self.partial.limits.radius
         index = int(examples.index[i])
