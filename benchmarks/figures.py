@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "docs" / "guide" / "feature-statistics.md")
 PART = re.compile(r"<!-- figures: (?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures -->", re.S)
 
 
@@ -494,7 +494,33 @@ def explorer_load_table() -> str:
     return key_value_table(rows, r)
 
 
+def feature_statistics_text() -> str:
+    """The one-pass statistics against a bare encode pass and `dashboard` feature by feature, and its memory."""
+    r = load("features")
+    f = r["figures"]
+    lines = ["| transcoders | tokens | features | `statistics` CPU s | of which logits | bare encode CPU s | ratio "
+             "(target <= 1.3x) | ratio without the logits | `dashboard` per feature CPU s | all dashboards / "
+             "`statistics` |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, what in (("embedded", "embedded Arcee's shipped: 2 layers x 256 TopK"),
+                      ("wide", "1 layer x 8,192 TopK (k=64), random 8 x 1024 Arcee")):
+        g = f[key]
+        lines.append(f"| {what} | {g['tokens']:,} | {g['features']:,} | {g['statistics_cpu_s']:.2f} | "
+                     f"{g['logits_cpu_s']:.2f} | {g['bare_encode_cpu_s']:.2f} | **{g['ratio']:.2f}x** | "
+                     f"{g['pass_ratio']:.2f}x | {g['dashboard_cpu_s_each']:.3f} | "
+                     f"{g['dashboards_over_statistics']:.0f}x |")
+    x1, x10 = f["memory_x1"], f["memory_x10"]
+    lines.append("")
+    lines.append(f"Peak anonymous memory above the loaded model over {x1['tokens']:,} and {x10['tokens']:,} tokens: "
+                 f"{(x1['peak_anon_bytes'] - x1['anon_before_bytes']) / 1e6:.0f} MB and "
+                 f"{(x10['peak_anon_bytes'] - x10['anon_before_bytes']) / 1e6:.0f} MB "
+                 f"(**{f['peak_anon_increase_10x_over_1x']:.2f}x** for 10x the corpus). Measured {when(r)}; one thread, "
+                 f"median of {f['embedded']['rounds']} interleaved rounds; the dashboards timed for "
+                 f"{f['embedded']['dashboards_timed']} features and scaled to all.")
+    return "\n".join(lines)
+
+
 PARTS = {
+    "features": feature_statistics_text,
     "speed-table": speed_table,
     "speed-measured": measured,
     "summary": summary_table,

@@ -13,9 +13,10 @@ import torch
 FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
 
 
-def write_json(graph, path: "str | os.PathLike", slug: str | None = None) -> Path:
+def write_json(graph, path: "str | os.PathLike", slug: str | None = None, features=None, labels=None) -> Path:
     """Write a pruned graph (`node_mask` and `edge_mask` set) in circuit-tracer's graph-file schema, with
-    what `from_json` needs to rebuild it whole under `hooked_models`."""
+    what `from_json` needs to rebuild it whole under `hooked_models`; with `features` (a statistics
+    result), its features' files beside it and its nodes labelled (`features.circuit_tracer_files`)."""
     path = Path(path)
     slug = slug or path.stem
     nodes = {i: json_node(graph, i) for i in graph.node_mask.nonzero().flatten().tolist()}
@@ -34,6 +35,10 @@ def write_json(graph, path: "str | os.PathLike", slug: str | None = None) -> Pat
         "hooked_models": state(graph),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    if features is not None:
+        from hooked_models.features.circuit_tracer_files import write_beside_graph
+
+        data = write_beside_graph(data, path, features, labels)
     path.write_text(json.dumps(data, indent=1))
     return path
 

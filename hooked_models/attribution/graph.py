@@ -155,13 +155,17 @@ class AttributionGraph:
         return float(replacement), float(completeness)
 
     def to_json(self, path: "str | os.PathLike", slug: str | None = None, node_threshold: float = 0.8,
-                edge_threshold: float = 0.98):
+                edge_threshold: float = 0.98, features=None, labels=None):
         """Write the pruned graph (pruned here with the thresholds unless `prune` was called) in
         circuit-tracer's graph-file schema (`frontend/graph_models.py`), which its local viewer and
         Neuronpedia open. Node ids are circuit-tracer's; the file also carries, under `hooked_models`,
-        what `from_json` needs to rebuild this graph with every node and edge. Returns the path."""
+        what `from_json` needs to rebuild this graph with every node and edge. Returns the path.
+
+        features: a `features.statistics` result of the graph's transcoders: its nodes' feature files are
+        written beside the graph where circuit-tracer's viewer reads them, each node labelled (`clerp`:
+        the heuristic label, or the user's from `labels`, a JSON or CSV of layer, feature, label)."""
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
-        return export.write_json(pruned, path, slug)
+        return export.write_json(pruned, path, slug, features, labels)
 
     @classmethod
     def from_json(cls, path: "str | os.PathLike") -> "AttributionGraph":

@@ -2,7 +2,8 @@
 
 Every number it sends is computed by the package (`run_with_cache`, `cache.logit_lens`,
 `patching.activation_patch`, `circuits.edge_attribution` / `edge_patch` / `faithfulness_curve`,
-`features.dashboard` / `search_by_token`); the server only parses requests, runs them and sends the
+`features.dashboard` / `search_by_token`, a saved `features.statistics` result read feature by feature);
+the server only parses requests, runs them and sends the
 results as JSON. Long computations (patching, circuits, feature passes over a harvest) are background jobs
 (`jobs.py`: a queue on a replica of the model sharing its weights, so the views never wait for a job): a
 request returns the job's id at once, the page polls `/api/jobs/{id}`, `DELETE /api/jobs/{id}` cancels.
@@ -35,6 +36,7 @@ from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
 from hooked_models.explorer.requests import Limits, request_models, validation_message
+from hooked_models.features.results import META as STATISTICS
 from hooked_models.transcoders import TranscoderSet
 from hooked_models.saes import sae_hook_name
 
@@ -244,7 +246,8 @@ class Explorer:
 
     @staticmethod
     def _entry(path: Path, shown: str) -> dict:
-        kind = ("harvest" if (path / "manifest.json").is_file() else "directory") if path.is_dir() else (
+        kind = ("harvest" if (path / "manifest.json").is_file() else "statistics" if (path / STATISTICS).is_file()
+                else "directory") if path.is_dir() else (
             "json" if path.suffix == ".json" else "file")
         return {"name": path.name or shown, "path": shown, "kind": kind}
 
@@ -286,6 +289,9 @@ class Explorer:
     def dashboard(self, request) -> dict:
         sae, harvest = self.sae(request.sae), self.path(request.harvest)
         features.check_feature(request.feature, int(sae.W_dec.shape[0]))
+        if (harvest / STATISTICS).is_file():  # a features.statistics result: the feature is read, not computed
+            layer = features.FeatureStatistics.load(harvest)[sae_hook_name(sae)]
+            return self.submit("dashboard", lambda model, job: {**layer.board(request.feature), "sae": request.sae})
 
         def work(model, job):
             board = features.dashboard(model, harvest, sae, request.feature, progress=job.report)
