@@ -1,14 +1,16 @@
-"""The READMEs' benchmark figures, rendered from the benchmarks' results files: one source for every figure.
+"""The benchmark figures of the READMEs and the documentation's pages, rendered from the benchmarks' results
+files: one source for every figure.
 
-    python benchmarks/figures.py            # rewrite the generated parts of README.md and benchmarks/README.md
+    python benchmarks/figures.py            # rewrite the generated parts of README.md, benchmarks/README.md
+                                            # and every docs/**/*.md page that holds one
     python benchmarks/figures.py --check    # exit 1, naming the part, where one differs from its rendering
 
-Each benchmark writes its figures to benchmarks/results/<name>.json (benchmarks/common.py's `Results`:
-the command, the date, the machine's load before and after, the medians). Here each generated part of a
-README is a function of those files; in the README it sits between `<!-- figures: NAME -->` and
-`<!-- /figures -->` (a table, a sentence, or a single figure inside a sentence), so a summary row and its
-table are two renderings of one number and cannot drift apart. tests/test_benchmark_figures.py checks that
-every part is what its results render to.
+Each benchmark writes its figures to benchmarks/results/<name>.json (benchmarks/common.py's `Results`: the
+command, the date, the machine's load before and after, the medians). Here each generated part of a document
+is a function of those files; in the document it sits between `<!-- figures: NAME -->` and `<!-- /figures -->`
+(a table, a sentence, or a single figure inside a sentence; the site's build drops the markers,
+docs/hooks.py), so a summary row and its table are two renderings of one number and cannot drift apart.
+tests/test_benchmark_figures.py checks that every part is what its results render to.
 """
 
 import argparse
@@ -20,8 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 PART = re.compile(r"<!-- figures: (?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures -->", re.S)
+# The documents holding generated parts: the two READMEs, and each page of the site that holds one.
+DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+             *(page for page in sorted((ROOT / "docs").rglob("*.md")) if PART.search(page.read_text())))
 
 
 def load(name: str) -> dict:
@@ -148,7 +152,7 @@ def all_features_16() -> dict:
 
 # ----------------------------------------------------------------------------------------- parts
 def speed_table() -> str:
-    """README.md's Speed and memory table."""
+    """docs/guide/speed-and-memory.md's table."""
     fw, small = forward_ratios(), forward_ratios("forward_overhead")
     s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
@@ -464,7 +468,7 @@ def transcoder_training() -> dict:
 
 
 def transcoder_memory() -> str:
-    """README.md's Transcoders bullet: the 10x / 1x peaks."""
+    """docs/guide/transcoders.md's Training bullet: the 10x / 1x peaks."""
     t = transcoder_training()
     return f"{t['anon']:.2f}x the peak anonymous memory; the peak RSS, {t['rss']:.2f}x"
 
