@@ -1,4 +1,4 @@
-"""Attribution graphs (hooked_models/attribution.py) against oracles that share none of its code: the
+"""Attribution graphs (hooked_models/attribution/) against oracles that share none of its code: the
 linear replacement model run forward (norm scales and attention patterns written as the prompt's
 constants, each MLP's output replaced by its transcoder's decoding of fixed activations plus a fixed
 error), on tiny random models of both families with random transcoders (skip connections, biases)."""
@@ -332,7 +332,9 @@ def test_bad_input_is_refused_with_the_value(tl_model_factory, bad, message):
 def test_the_selections_influence_from_the_computed_rows_alone_is_the_dense_graphs():
     """`max_feature_nodes` ranks features by `_influence_of_rows` over the rows computed so far; it must
     equal `_influence` of the dense [node node] matrix those rows make (which it avoids building)."""
-    from hooked_models.attribution import _influence, _influence_of_rows, _normalized
+    from hooked_models.attribution.attribute import _influence_of_rows
+    from hooked_models.attribution.graph import influence_series as _influence
+    from hooked_models.attribution.graph import normalized_abs as _normalized
 
     generator = torch.Generator().manual_seed(0)
     n_sources, done, n_logits = 40, [3, 17, 8, 29, 0], 3
@@ -357,13 +359,13 @@ def test_no_backward_pass_leaves_a_graph_behind(setup, monkeypatch):
     """The rows of each batch are plain numbers: with the transcoders' weights requiring grad (as after
     training), a row that kept an autograd graph would keep that pass's gradients alive (the memory then
     grew by batch x seq x hidden_size x layers per batch). And no parameter collects a gradient."""
-    import hooked_models.attribution as attribution
+    from hooked_models.attribution import replacement
 
     model, tcs, tokens, _ = setup
     assert all(p.requires_grad for p in tcs.parameters())
     returned = []
-    columns = attribution._Replica.columns
-    monkeypatch.setattr(attribution._Replica, "columns",
+    columns = replacement.Replica.columns
+    monkeypatch.setattr(replacement.Replica, "columns",
                         lambda self, *a: returned.append(columns(self, *a)) or returned[-1])
     attribute(model, tokens, tcs, max_feature_nodes=12, batch_size=8)
     assert returned and not any(rows.requires_grad or rows.grad_fn is not None for rows in returned)

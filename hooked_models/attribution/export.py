@@ -1,0 +1,159 @@
+"""Graph files: circuit-tracer's graph-file schema (its `frontend/graph_models.py`, `utils/create_graph_files.py`),
+which its local viewer and Neuronpedia open, and a drawing. Functions of a graph; the graph's methods
+(`to_json`, `from_json`, `plot`) call them.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# The feature_type strings circuit-tracer's viewer knows (frontend/graph_models.py).
+FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
+
+
+def write_json(graph, path: "str | os.PathLike", slug: str | None = None) -> Path:
+    """Write a pruned graph (`node_mask` and `edge_mask` set) in circuit-tracer's graph-file schema, with
+    what `from_json` needs to rebuild it whole under `hooked_models`."""
+    path = Path(path)
+    slug = slug or path.stem
+    nodes = {i: json_node(graph, i) for i in graph.node_mask.nonzero().flatten().tolist()}
+    targets, sources = graph.edge_mask.nonzero(as_tuple=True)
+    links = [{"source": nodes[s]["node_id"], "target": nodes[t]["node_id"],
+              "weight": float(graph.adjacency_matrix[t, s])}
+             for t, s in zip(targets.tolist(), sources.tolist()) if s in nodes and t in nodes]
+    linked = {link["source"] for link in links} | {link["target"] for link in links}
+    data = {
+        "metadata": {"slug": slug, "scan": graph.model_name or "hooked_models",
+                     "transcoder_list": list(graph.transcoder_names), "prompt_tokens": graph.str_tokens_or_ids(),
+                     "prompt": graph.prompt, "node_threshold": graph.node_threshold, "schema_version": 1},
+        "qParams": {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""},
+        "nodes": [n for n in nodes.values() if n["node_id"] in linked or n["feature_type"] in ("embedding", "logit")],
+        "links": links,
+        "hooked_models": state(graph),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def json_node(graph, i: int) -> dict:
+    """Node i as the viewer reads it (circuit-tracer's `Node`)."""
+    kind = graph.node_kind(i)
+    layer, pos = graph.node_position(i)
+    influence = None if graph.cumulative_influence is None else float(graph.cumulative_influence[i])
+    node = {"ctx_idx": pos, "token_prob": 0.0, "is_target_logit": False, "run_idx": 0, "reverse_ctx_idx": 0,
+            "clerp": "", "influence": influence, "activation": None}
+    if kind == "feature":
+        feature = int(graph.active_features[i, 2])
+        # The viewer's feature id: Cantor's pairing of (layer, index), one integer per feature.
+        paired = (layer + feature) * (layer + feature + 1) // 2 + feature
+        node.update(node_id=f"{layer}_{feature}_{pos}", feature=paired, layer=str(layer),
+                    feature_type=FEATURE_TYPES[0], jsNodeId=f"{layer}_{feature}-0",
+                    activation=float(graph.activation_values[i]))
+    elif kind == "error":
+        # Index -1, never a feature's, so that no error id aliases a feature's.
+        node.update(node_id=f"{layer}_-1_{pos}", feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
+                    jsNodeId=f"{layer}_-1-{pos}")
+    elif kind == "embedding":
+        token = int(graph.tokens[pos])
+        node.update(node_id=f"E_{token}_{pos}", feature=pos, layer="E", feature_type=FEATURE_TYPES[2],
+                    jsNodeId=f"E_{token}-{pos}")
+    else:
+        k = i - graph.logit_start
+        token, prob = int(graph.logit_tokens[k]), float(graph.logit_probabilities[k])
+        layer = str(graph.n_layers + 1)
+        node.update(node_id=f"{layer}_{token}_{pos}", feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
+                    jsNodeId=f"L_{token}-{pos}", token_prob=prob, is_target_logit=k == 0,
+                    clerp=f'Output "{graph.logit_text(k)}" (p={prob:.3f})')
+    return node
+
+
+def state(graph) -> dict:
+    """Everything but the masks, as lists (floats written exactly: JSON keeps a float32's value)."""
+    fields = {"tokens": graph.tokens.tolist(), "active_features": graph.active_features.tolist(),
+              "activation_values": graph.activation_values.tolist(), "logit_tokens": graph.logit_tokens.tolist(),
+              "logit_probabilities": graph.logit_probabilities.tolist(),
+              "adjacency_matrix": graph.adjacency_matrix.tolist(), "n_layers": graph.n_layers,
+              "prompt": graph.prompt, "str_tokens": list(graph.str_tokens), "model_name": graph.model_name,
+              "transcoder_names": list(graph.transcoder_names), "logit_str_tokens": list(graph.logit_str_tokens)}
+    for name in ("head_loadings", "attention_skips"):
+        value = getattr(graph, name)
+        fields[name] = None if value is None else {"shape": list(value.shape), "values": value.flatten().tolist()}
+    return fields
+
+
+def read_state(path: "str | os.PathLike") -> dict:
+    """The fields of the graph `write_json` wrote, unpruned, every node and edge as it was (float32 exactly)."""
+    data = json.loads(Path(path).read_text())
+    if "hooked_models" not in data:
+        raise ValueError(f"{path} is a graph file without the hooked_models section `to_json` writes; "
+                         "only graphs written here can be rebuilt")
+    state = data["hooked_models"]
+    tensors = dict(tokens=torch.tensor(state["tokens"], dtype=torch.long),
+                   active_features=torch.tensor(state["active_features"], dtype=torch.long).reshape(-1, 3),
+                   activation_values=torch.tensor(state["activation_values"], dtype=torch.float32),
+                   logit_tokens=torch.tensor(state["logit_tokens"], dtype=torch.long),
+                   logit_probabilities=torch.tensor(state["logit_probabilities"], dtype=torch.float32))
+    n = len(state["adjacency_matrix"])
+    adjacency = torch.tensor(state["adjacency_matrix"], dtype=torch.float32).reshape(n, n)
+    extra = {}
+    for name in ("head_loadings", "attention_skips"):
+        value = state.get(name)
+        extra[name] = None if value is None else torch.tensor(value["values"], dtype=torch.float32).reshape(value["shape"])
+    return dict(**tensors, adjacency_matrix=adjacency, n_layers=state["n_layers"], prompt=state["prompt"],
+                str_tokens=state["str_tokens"], model_name=state["model_name"],
+                transcoder_names=state["transcoder_names"], logit_str_tokens=state["logit_str_tokens"], **extra)
+
+
+def plot(graph, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None):
+    """Draw a pruned graph (see `AttributionGraph.plot`)."""
+    import matplotlib.pyplot as plt
+
+    kept = graph.node_mask.nonzero().flatten().tolist()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * graph.n_pos + 1.5), 0.9 * (graph.n_layers + 2) + 1.5))
+    else:
+        fig = ax.figure
+    # Nodes sharing a (row, position) cell are spread across it.
+    cells: dict[tuple, list[int]] = {}
+    for i in kept:
+        layer, pos = graph.node_position(i)
+        cells.setdefault((-1 if layer is None else layer, pos), []).append(i)
+    xy = {}
+    for (row, pos), members in cells.items():
+        for k, i in enumerate(members):
+            xy[i] = (pos + (k + 1) / (len(members) + 1) - 0.5, row + 1)
+    targets, sources = graph.edge_mask.nonzero(as_tuple=True)
+    weights = graph.adjacency_matrix[targets, sources]
+    biggest = float(weights.abs().max()) if weights.numel() else 1.0
+    for t, s, w in zip(targets.tolist(), sources.tolist(), weights.tolist()):
+        if s in xy and t in xy:
+            ax.plot(*zip(xy[s], xy[t]), color="tab:blue" if w > 0 else "tab:red",
+                    linewidth=0.3 + 4 * abs(w) / biggest, alpha=0.6, zorder=1)
+    colours = {"feature": "tab:orange", "error": "tab:gray", "embedding": "tab:green", "logit": "tab:purple"}
+    for kind, colour in colours.items():
+        points = [xy[i] for i in kept if graph.node_kind(i) == kind]
+        if points:
+            ax.scatter(*zip(*points), s=60, color=colour, edgecolor="black", zorder=2, label=kind)
+    crowded = {i for members in cells.values() if len(members) > 4 for i in members}
+    for i in kept:  # feature indices where they fit, and the logits' tokens
+        if graph.node_kind(i) == "logit" or (graph.node_kind(i) == "feature" and i not in crowded):
+            label = (str(int(graph.active_features[i, 2])) if graph.node_kind(i) == "feature"
+                     else logit_label(graph, i - graph.logit_start))
+            ax.annotate(label, xy[i], textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    ax.set_xticks(range(graph.n_pos), graph.str_tokens_or_ids(), rotation=45, ha="right")
+    ax.set_yticks(range(graph.n_layers + 2), ["emb", *[f"L{l}" for l in range(graph.n_layers)], "logits"])
+    ax.set_xlim(-0.7, graph.n_pos - 0.3)
+    ax.set_ylim(-0.5, graph.n_layers + 1.6)
+    ax.legend(loc="upper left", fontsize=7, ncol=4)
+    ax.set_title(title or f"attribution graph: {len(kept)} nodes, {int(graph.edge_mask.sum())} edges")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def logit_label(graph, k: int) -> str:
+    return f"{graph.logit_text(k)!r} ({float(graph.logit_probabilities[k]):.2f})"

@@ -1,0 +1,217 @@
+"""The attribution graph of one prompt: its nodes, their direct-effect edges, pruning and scores
+(circuit-tracer's `graph.py`: `Graph`, `prune_graph`, `compute_graph_scores`).
+
+Node order (circuit-tracer's): features (by layer, position, index), errors (layer-major), embeddings
+(one per position: the stream entering layer 0, so alpha-er's position embedding is part of it),
+logits. Per-head loadings: for each attention layer L, the part of an edge through head h of L (the
+backward pass let through that head alone of L) and the part that skips L's attention (none of L's heads
+let through); for each L, the heads' parts plus the skip are the edge.
+"""
+
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from hooked_models.attribution import export
+
+# ------------------------------------------------------------------------------------------- graph
+@dataclass
+class AttributionGraph:
+    """Nodes and direct-effect edges of one prompt (see the module docstring for the order).
+
+    `active_features [feature 3]`: (layer, position, feature index) of each feature node, with its
+    `activation_values`. `adjacency_matrix [node node]`: row = target, column = source. `head_loadings
+    [node node layer head]` and `attention_skips [node node layer]`: for each attention layer, the edge
+    split over its heads plus the part that skips it (None when not computed). After `prune`,
+    `node_mask`, `edge_mask` and `cumulative_influence` say what was kept.
+    """
+
+    tokens: Int[Tensor, " seq"]
+    active_features: Int[Tensor, "feature 3"]
+    activation_values: Float[Tensor, " feature"]
+    logit_tokens: Int[Tensor, " logit"]
+    logit_probabilities: Float[Tensor, " logit"]
+    adjacency_matrix: Float[Tensor, "node node"]
+    n_layers: int
+    prompt: str = ""
+    str_tokens: list[str] = field(default_factory=list)
+    model_name: str = ""
+    transcoder_names: list[str] = field(default_factory=list)
+    logit_str_tokens: list[str] = field(default_factory=list)
+    head_loadings: Float[Tensor, "node node layer head"] | None = None
+    attention_skips: Float[Tensor, "node node layer"] | None = None
+    node_mask: Tensor | None = None
+    edge_mask: Tensor | None = None
+    cumulative_influence: Tensor | None = None
+    node_threshold: float | None = None
+
+    # ------------------------------------------------------------------------------ node layout
+    n_pos = property(lambda self: int(self.tokens.shape[0]))
+    n_features = property(lambda self: int(self.active_features.shape[0]))
+    n_errors = property(lambda self: self.n_layers * self.n_pos)
+    n_logits = property(lambda self: int(self.logit_tokens.shape[0]))
+    n_nodes = property(lambda self: int(self.adjacency_matrix.shape[0]))
+    error_start = property(lambda self: self.n_features)
+    embedding_start = property(lambda self: self.n_features + self.n_errors)
+    logit_start = property(lambda self: self.embedding_start + self.n_pos)
+
+    def node_kind(self, i: int) -> str:
+        """"feature", "error", "embedding" or "logit"."""
+        for kind, end in (("feature", self.error_start), ("error", self.embedding_start),
+                          ("embedding", self.logit_start), ("logit", self.n_nodes)):
+            if i < end:
+                return kind
+        raise IndexError(f"node {i} of a graph of {self.n_nodes} nodes")
+
+    def node_position(self, i: int) -> tuple[int | None, int]:
+        """(layer, position) of node i: layer None for embeddings, n_layers for logits."""
+        kind = self.node_kind(i)
+        if kind == "feature":
+            layer, pos, _ = self.active_features[i].tolist()
+            return layer, pos
+        if kind == "error":
+            return divmod(i - self.error_start, self.n_pos)
+        if kind == "embedding":
+            return None, i - self.embedding_start
+        return self.n_layers, self.n_pos - 1
+
+    def node_name(self, i: int) -> str:
+        """A name over the vocabulary: `layers.1.mlp.feature.37@4`, `layers.1.mlp.error@4`,
+        `embedding@4`, `logits.523@7` (token 523 at the last position)."""
+        kind = self.node_kind(i)
+        layer, pos = self.node_position(i)
+        if kind == "feature":
+            return f"layers.{layer}.mlp.feature.{int(self.active_features[i, 2])}@{pos}"
+        if kind == "error":
+            return f"layers.{layer}.mlp.error@{pos}"
+        if kind == "embedding":
+            return f"embedding@{pos}"
+        return f"logits.{int(self.logit_tokens[i - self.logit_start])}@{pos}"
+
+    @property
+    def nodes(self) -> list[str]:
+        return [self.node_name(i) for i in range(self.n_nodes)]
+
+    def logit_weights(self) -> Tensor:
+        """Each node's weight as an output: the logits' probabilities, zero elsewhere."""
+        weights = torch.zeros(self.n_nodes, dtype=self.adjacency_matrix.dtype)
+        weights[self.logit_start:] = self.logit_probabilities.to(weights.dtype)
+        return weights
+
+    # -------------------------------------------------------------------------- prune and score
+    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> "AttributionGraph":
+        """The graph with `node_mask`/`edge_mask` set, circuit-tracer's `prune_graph`: keep the nodes
+        that carry `node_threshold` of the total influence on the logits (embeddings and logits always),
+        then the edges that carry `edge_threshold` of the kept nodes' edge influence, then drop, until
+        nothing changes, features without incoming edges and features and errors without outgoing ones.
+        Influence: abs(adjacency), each row normalized to sum 1, propagated from the logits' probabilities
+        through every path."""
+        for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value} must be between 0 and 1")
+        weights = self.logit_weights()
+        node_influence = influence_series(normalized_abs(self.adjacency_matrix), weights)
+        node_mask = node_influence >= top_threshold(node_influence, node_threshold)
+        node_mask[self.embedding_start:] = True
+        kept = self.adjacency_matrix.clone()
+        kept[~node_mask] = 0
+        kept[:, ~node_mask] = 0
+        normalized = normalized_abs(kept)
+        edge_scores = normalized * (influence_series(normalized, weights) + weights)[:, None]
+        edge_mask = edge_scores >= top_threshold(edge_scores.flatten(), edge_threshold)
+        edge_mask &= kept != 0
+        while True:
+            before = node_mask.clone()
+            edge_mask[~node_mask] = False
+            edge_mask[:, ~node_mask] = False
+            # Features and errors need a way out; features a way in.
+            node_mask[:self.embedding_start] &= edge_mask[:, :self.embedding_start].any(0)
+            node_mask[:self.n_features] &= edge_mask[:self.n_features].any(1)
+            if torch.equal(node_mask, before):
+                break
+        order = node_influence.argsort(descending=True)
+        cumulative = torch.zeros_like(node_influence)
+        cumulative[order] = node_influence[order].cumsum(0) / node_influence.sum().clamp(min=1e-30)
+        return replace(self, node_mask=node_mask, edge_mask=edge_mask, cumulative_influence=cumulative,
+                       node_threshold=node_threshold)
+
+    def scores(self) -> tuple[float, float]:
+        """(replacement score, completeness score), circuit-tracer's `compute_graph_scores`, on the
+        unpruned adjacency: the share of the embeddings' in the embeddings' plus errors' influence on the
+        logits; and the influence-weighted share of the nodes' inputs that does not come from errors."""
+        weights = self.logit_weights()
+        normalized = normalized_abs(self.adjacency_matrix)
+        influence = influence_series(normalized, weights)
+        errors = slice(self.error_start, self.embedding_start)
+        token_influence = influence[self.embedding_start:self.logit_start].sum()
+        error_influence = influence[errors].sum()
+        replacement = token_influence / (token_influence + error_influence).clamp(min=1e-30)
+        non_error = 1 - normalized[:, errors].sum(-1)
+        output = influence + weights
+        completeness = (non_error * output).sum() / output.sum()
+        return float(replacement), float(completeness)
+
+    def to_json(self, path: "str | os.PathLike", slug: str | None = None, node_threshold: float = 0.8,
+                edge_threshold: float = 0.98):
+        """Write the pruned graph (pruned here with the thresholds unless `prune` was called) in
+        circuit-tracer's graph-file schema (`frontend/graph_models.py`), which its local viewer and
+        Neuronpedia open. Node ids are circuit-tracer's; the file also carries, under `hooked_models`,
+        what `from_json` needs to rebuild this graph with every node and edge. Returns the path."""
+        pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
+        return export.write_json(pruned, path, slug)
+
+    @classmethod
+    def from_json(cls, path: "str | os.PathLike") -> "AttributionGraph":
+        """The graph `to_json` wrote, unpruned, every node and edge as it was (float32 exactly)."""
+        return cls(**export.read_state(path))
+
+    def plot(self, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None,
+             node_threshold: float = 0.8, edge_threshold: float = 0.98):
+        """Draw the pruned graph: layers up (embeddings at the bottom, logits at the top), positions
+        across, edge width by |weight| (blue positive, red negative). Saved to `path` if given; returns
+        the matplotlib Figure."""
+        pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
+        return export.plot(pruned, path, ax, title)
+
+    def str_tokens_or_ids(self) -> list[str]:
+        """The prompt's tokens as strings (their ids where the model had no tokenizer)."""
+        return list(self.str_tokens) if self.str_tokens else [str(t) for t in self.tokens.tolist()]
+
+    def logit_text(self, k: int) -> str:
+        """Logit k's token as a string (its id where the model had no tokenizer)."""
+        return self.logit_str_tokens[k] if self.logit_str_tokens else str(int(self.logit_tokens[k]))
+
+    def __str__(self) -> str:
+        pruned = "" if self.node_mask is None else f", pruned to {int(self.node_mask.sum())} nodes"
+        return (f"AttributionGraph: {self.n_features} features, {self.n_errors} errors, {self.n_pos} embeddings, "
+                f"{self.n_logits} logits; {int((self.adjacency_matrix != 0).sum())} edges{pruned}")
+
+
+def normalized_abs(matrix: Tensor) -> Tensor:
+    """abs(matrix), each row scaled to sum 1 (rows of zeros stay zero)."""
+    matrix = matrix.abs()
+    return matrix / matrix.sum(1, keepdim=True).clamp(min=1e-10)
+
+
+def influence_series(normalized: Tensor, weights: Tensor) -> Tensor:
+    """weights · (A + A² + A³ + ...): the graph is acyclic (targets read only earlier layers), so
+    the series ends after at most as many terms as the graph is deep."""
+    total = current = weights @ normalized
+    for _ in range(normalized.shape[0]):
+        if not bool(current.any()):
+            break
+        current = current @ normalized
+        total = total + current
+    return total
+
+
+def top_threshold(scores: Tensor, fraction: float) -> Tensor:
+    """The smallest score among the highest ones that together make `fraction` of the total."""
+    ordered = scores.sort(descending=True).values
+    cumulative = ordered.cumsum(0) / ordered.sum().clamp(min=1e-30)
+    return ordered[min(int(torch.searchsorted(cumulative, fraction)), len(ordered) - 1)]
+
+

@@ -1,0 +1,214 @@
+"""The replacement model of one prompt: its clean run seen through the transcoders, and the frozen copies
+that backward passes run through.
+
+Every MLP is replaced by its transcoder plus an error term (what the transcoder misses at that layer and
+position), and the prompt's attention patterns and norm scales are frozen at their values: what remains
+from the embeddings, the features' decoder writes and the errors to the encoders' inputs and the logits
+is linear. Everything goes through the model's hooks, so both families are handled alike: every
+`norm_scale` (RMS and LayerNorm, alpha-er's bottleneck norms and its lm_head's) is frozen by returning
+its `detach()` (hooked_models/components/norms.py honours that), every `attention_probabilities`
+likewise, which also linearises alpha-er's soft cap (it only shapes the pattern) and its factored
+projections (linear once their bottleneck norm is frozen). The MLP outputs are constants of the prompt
+but for a transcoder's skip connection, which is linear and stays on the path.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from hooked_models.transcoders import CrossLayerTranscoder
+
+
+class _GradientGate(torch.autograd.Function):
+    """The identity forward; backward, the gradient times `holder.gate` (None: all of it). Lets one
+    forward serve backward passes that let different attention heads through."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, holder: "_Gates") -> Tensor:
+        ctx.holder = holder
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        gate = ctx.holder.gate
+        return (grad if gate is None else grad * gate), None
+
+
+class _Gates:
+    gate: Tensor | None = None
+
+
+def is_frozen(name: str) -> bool:
+    """The values frozen at the prompt's: every norm's scale and every attention pattern."""
+    return name.endswith(".norm_scale") or name.endswith(".attention_probabilities")
+
+
+def freezing_hooks() -> list:
+    """Every norm scale and attention pattern frozen at its value: returned detached, which the
+    components honour (the forward keeps its bits, the gradient treats them as constants)."""
+    return [(is_frozen, lambda t, hook: t.detach())]
+
+
+def transcoder_names(transcoders) -> list[str]:
+    return [transcoders.input_hook(l) for l in range(transcoders.n_layers)]
+
+
+def written_layers(transcoders, layer: int) -> range:
+    """The layers whose MLP output layer `layer`'s features write: itself, or (a cross-layer
+    transcoder, whose `decoder(source, target)` takes any later target) it and every later one."""
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return range(layer, transcoders.n_layers)
+    return range(layer, layer + 1)
+
+
+def _skip_gradient(transcoders, layer: int, x: Tensor) -> Tensor:
+    """An exact zero whose gradient is that of layer `layer`'s skip connection of its input x: added
+    to the MLP's clean output, it keeps the output's bits and the skip's linear path."""
+    zero = [torch.zeros(*x.shape[:-1], transcoders.d_transcoder, dtype=x.dtype, device=x.device)] * (layer + 1)
+    return transcoders.decode_to(layer, zero, x) - transcoders.decode_to(layer, zero, x.detach()).detach()
+
+
+class Prompt:
+    """The prompt's clean run seen through the transcoders: their inputs, features, and errors. With
+    `frozen`, run with the freezing hooks (which keep every value but send attention down its explicit
+    path, as in the frozen runs that follow), so that the values here are theirs bit for bit."""
+
+    def __init__(self, model, tokens: Tensor, transcoders, frozen: bool = True):
+        self.model, self.tokens, self.transcoders = model, tokens, transcoders
+        n = transcoders.n_layers
+        self.inputs = [transcoders.input_hook(l) for l in range(n)]
+        self.outputs = [transcoders.output_hook(l) for l in range(n)]
+        with torch.no_grad(), model.hooks(fwd_hooks=freezing_hooks() if frozen else []):
+            self.logits, cache = model.run_with_cache(tokens, names_filter=[*self.inputs, *self.outputs, "layers.0.layer_input"])
+            dtype = transcoders.encoder(0).dtype
+            self.x = [cache[name][0].to(dtype) for name in self.inputs]
+            self.mlp_out = [cache[name][0] for name in self.outputs]
+            self.acts = [transcoders.encode(l, x) for l, x in enumerate(self.x)]
+            skip_in = [x if transcoders.has_skip else None for x in self.x]
+            self.recons = [transcoders.decode_to(l, self.acts, skip_in[l]) for l in range(n)]
+            self.errors = torch.stack([o.to(dtype) - r for o, r in zip(self.mlp_out, self.recons)])
+            self.embedding = cache["layers.0.layer_input"][0].to(dtype)
+        active = torch.stack(self.acts).nonzero()  # (layer, position, feature), in that order
+        self.active = active
+        self.activations = torch.stack(self.acts)[tuple(active.T)]
+
+    def salient_logits(self, desired_logit_prob: float, max_n_logits: int) -> tuple[Tensor, Tensor]:
+        """The most probable next tokens until their probabilities reach `desired_logit_prob`, at most
+        `max_n_logits` (circuit-tracer's `compute_salient_logits`)."""
+        probs = torch.softmax(self.logits[0, -1].float(), -1)
+        top = probs.sort(descending=True)
+        k = int(torch.searchsorted(top.values.cumsum(0), desired_logit_prob)) + 1
+        k = min(k, max_n_logits, probs.shape[0])
+        return top.indices[:k], top.values[:k]
+
+
+class Replica:
+    """`batch` copies of the prompt run with everything frozen, kept for backward passes.
+
+    Leaves where the sources write (the stream entering layer 0, each MLP output) and the values the
+    targets read (each transcoder's input, the logits). The MLP outputs are their clean values, held as
+    leaves, plus the transcoders' skip connections (linear, so on the path)."""
+
+    def __init__(self, prompt: Prompt, batch: int, head_gates: bool):
+        model, tcs = prompt.model, prompt.transcoders
+        self.prompt, self.reads, self.out_leaves, self.gates = prompt, {}, {}, {}
+        self.embedding_leaf = None
+
+        def embedding(t, hook):
+            self.embedding_leaf = t.detach().requires_grad_()
+            return self.embedding_leaf
+
+        def read(t, hook, layer):
+            self.reads[layer] = t
+
+        def write(t, hook, layer):
+            leaf = t.detach().requires_grad_()
+            self.out_leaves[layer] = leaf
+            if not tcs.has_skip:
+                return leaf
+            skip = _skip_gradient(tcs, layer, self.reads[layer].to(tcs.encoder(0).dtype))
+            return leaf + skip.to(t.dtype)
+
+        def gate(t, hook, layer):
+            self.gates[layer] = _Gates()
+            return _GradientGate.apply(t, self.gates[layer])
+
+        hooks = [*freezing_hooks(), ("layers.0.layer_input", embedding)]
+        for l in range(tcs.n_layers):
+            hooks += [(prompt.inputs[l], lambda t, hook, l=l: read(t, hook, l)),
+                      (prompt.outputs[l], lambda t, hook, l=l: write(t, hook, l))]
+            if head_gates:
+                hooks.append((f"layers.{l}.self_attn.attention_head_outputs", lambda t, hook, l=l: gate(t, hook, l)))
+        # No parameter gradients, the model's or the transcoders': the graph is built for the leaves alone.
+        params = [p for module in (model, tcs) for p in module.parameters() if p.requires_grad]
+        try:
+            for p in params:
+                p.requires_grad_(False)
+            with torch.enable_grad():
+                self.logits = model.run_with_hooks(prompt.tokens.expand(batch, -1), fwd_hooks=hooks)
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+
+    def columns(self, grad_inputs: dict, grad_logits: Tensor | None) -> Tensor:
+        """Rows of the adjacency for the targets whose input directions are given: `grad_inputs[l]`
+        [batch seq d_in] at transcoder l's input, `grad_logits` [batch seq vocab] at the logits.
+        Columns: features, errors, embeddings (logits, which write nothing, are left out)."""
+        outputs = [self.reads[l] for l in grad_inputs] + ([self.logits] if grad_logits is not None else [])
+        grads_out = [g.to(o.dtype) for g, o in zip([*grad_inputs.values(), grad_logits], outputs)]
+        leaves = [self.embedding_leaf, *[self.out_leaves[l] for l in range(len(self.out_leaves))]]
+        grads = torch.autograd.grad(outputs, leaves, grads_out, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+        # The rows are numbers: under no_grad, so that no graph (through a transcoder's weights that
+        # require grad) keeps this pass's gradients alive past it.
+        with torch.no_grad():
+            return self._rows_of(grads)
+
+    def _rows_of(self, grads: Sequence[Tensor]) -> Float[Tensor, "batch source"]:
+        """The rows from the gradients at the leaves: each source's write dotted with its leaf's gradient."""
+        prompt, tcs = self.prompt, self.prompt.transcoders
+        dtype = prompt.errors.dtype
+        g_embedding, g_out = grads[0].to(dtype), [g.to(dtype) for g in grads[1:]]
+        embeddings = (g_embedding * prompt.embedding).sum(-1)
+        errors = torch.einsum("lbsd,lsd->bls", torch.stack(g_out), prompt.errors).flatten(1)
+        features = torch.zeros(g_embedding.shape[0], prompt.active.shape[0], dtype=dtype, device=g_embedding.device)
+        for layer in range(tcs.n_layers):
+            rows = (prompt.active[:, 0] == layer).nonzero().flatten()
+            if not rows.numel():
+                continue
+            pos, ids = prompt.active[rows, 1], prompt.active[rows, 2]
+            # One matrix product per position (nonzero() ordered the rows by position): gathering the
+            # gradient at each feature's position would copy [batch feature hidden_size], 10x slower.
+            positions, counts = pos.unique_consecutive(return_counts=True)
+            direct = 0
+            for t in written_layers(tcs, layer):
+                decoders = tcs.decoder(layer, t)[ids].to(dtype).split(counts.tolist())
+                direct = direct + torch.cat([g_out[t][:, p] @ d.T for p, d in zip(positions.tolist(), decoders)], 1)
+            features[:, rows] = direct * prompt.activations[rows]
+        return torch.cat([features, errors, embeddings], 1)
+
+
+def prompt_tokens(model, prompt) -> Tensor:
+    """[1 seq] token ids of a string (tokenized whole: a prompt too long is refused, not truncated)
+    or of ids given as a list or tensor."""
+    if isinstance(prompt, str):
+        return model.to_tokens(prompt, truncate=False)
+    tokens = torch.as_tensor(prompt)
+    if tokens.ndim == 2 and tokens.shape[0] == 1:
+        tokens = tokens[0]
+    if tokens.ndim != 1 or tokens.is_floating_point() or not tokens.numel():
+        raise ValueError(f"prompt must be text or one sequence of token ids, got shape {tuple(tokens.shape)}")
+    return tokens.long()[None].to(model.cfg.device)
+
+
+def check_prompt(model, tokens: Tensor, transcoders) -> None:
+    """The transcoders fit the model and the prompt fits its positions."""
+    if transcoders.d_in != model.cfg.hidden_size or transcoders.d_out != model.cfg.hidden_size:
+        raise ValueError(f"the transcoders read {transcoders.d_in}-wide inputs and write {transcoders.d_out}-wide "
+                         f"outputs; this model's MLPs read and write hidden_size={model.cfg.hidden_size}")
+    transcoders.check_model(model)
+    if tokens.shape[1] > model.max_positions:
+        raise ValueError(f"the prompt is {tokens.shape[1]} tokens; this model computes at most "
+                         f"{model.max_positions} positions")
