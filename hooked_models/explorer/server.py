@@ -387,12 +387,14 @@ def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
     """Give each link through attention its per-head split, `heads`: {"layers.L.self_attn.head.h": part, ...,
     "layers.L.self_attn (skipped)": the part that skips L's attention}, for each attention layer L the edge
     crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
-    if graph.head_loadings is None:
+    if graph.loading_edges is None:
         return
-    index = {graph._json_node(i)["node_id"]: i for i in range(graph.n_nodes)}
+    index = {graph.json_node(i)["node_id"]: i for i in range(graph.n_nodes)}
     for link in links:
-        target, source = index[link["target"]], index[link["source"]]
-        loadings, skips = graph.head_loadings[target, source], graph.attention_skips[target, source]
+        split = graph.edge_loadings(index[link["target"]], index[link["source"]])
+        if split is None:
+            continue
+        loadings, skips = split
         heads = {}
         for layer in range(loadings.shape[0]):
             if bool(loadings[layer].any()):
