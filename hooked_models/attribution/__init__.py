@@ -22,8 +22,9 @@ model and its freezing).
 from hooked_models.attribution.attribute import attribute
 from hooked_models.attribution.export import FEATURE_TYPES
 from hooked_models.attribution.graph import AttributionGraph
-from hooked_models.attribution.intervention import feature_intervention
+from hooked_models.attribution.intervention import feature_intervention, feature_intervention_generate
 from hooked_models.attribution.qk import QKTable
 from hooked_models.attribution.targets import CustomTarget
 
-__all__ = ["FEATURE_TYPES", "AttributionGraph", "CustomTarget", "QKTable", "attribute", "feature_intervention"]
+__all__ = ["FEATURE_TYPES", "AttributionGraph", "CustomTarget", "QKTable", "attribute", "feature_intervention",
+           "feature_intervention_generate"]
