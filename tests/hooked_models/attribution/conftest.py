@@ -62,10 +62,11 @@ class Replacement:
                 rows.append(a * self.tcs[layer].W_dec[feature] if t == layer else torch.zeros_like(self.x[0][0]))
         return torch.stack(rows)
 
-    def run(self, extra: dict | None = None, hooks=(), names=()) -> SimpleNamespace:
+    def run(self, extra: dict | None = None, hooks=(), names=(), zero_sources: bool = False) -> SimpleNamespace:
         """The frozen replacement forward with `extra[(layer, pos)]` [hidden_size] added to MLP outputs:
-        every transcoder's pre-activations [layer seq d_transcoder], the demeaned logits [seq vocab],
-        and the values named."""
+        every transcoder's pre-activations [layer seq d_transcoder], the logits [seq vocab] (`raw`) and
+        demeaned, and the values named. `zero_sources`: every node zero (embeddings, features, errors),
+        what is left being the biases' part."""
         extra, live = extra or {}, {}
 
         def read(t, hook, l):
@@ -77,6 +78,11 @@ class Replacement:
             else:
                 moved = self.tcs[l].skip(live[l]) - self.tcs[l].skip(self.x[l])
             value = self.cache[self.outputs[l]][0] + moved
+            if zero_sources:  # b_dec and the skip connection of the live input alone
+                if isinstance(self.tcs, CrossLayerTranscoder):
+                    value = self.tcs.b_dec[l] + self.tcs.skip(l, live[l])
+                else:
+                    value = self.tcs[l].b_dec + self.tcs[l].skip(live[l])
             for (layer, pos), w in extra.items():
                 if layer == l:
                     value = value.clone()
@@ -87,12 +93,14 @@ class Replacement:
         for l in range(self.tcs.n_layers):
             fwd += [(self.inputs[l], lambda t, hook, l=l: read(t, hook, l)),
                     (self.outputs[l], lambda t, hook, l=l: out(t, hook, l))]
+        if zero_sources:
+            fwd.append(("layers.0.layer_input", lambda t, hook: torch.zeros_like(t)))
         captured = {}
         fwd += [(n, lambda t, hook: captured.__setitem__(hook.name, t[0].clone())) for n in names]
         with torch.no_grad():
             logits = self.model.run_with_hooks(self.tokens[None], fwd_hooks=fwd)[0]
             pre = torch.stack([self.tcs.encode(l, live[l], apply_activation=False) for l in range(self.tcs.n_layers)])
-        return SimpleNamespace(pre=pre, logits=logits - logits.mean(-1, keepdim=True), values=captured)
+        return SimpleNamespace(pre=pre, logits=logits - logits.mean(-1, keepdim=True), raw=logits, values=captured)
 
 
 @pytest.fixture(scope="module", params=[("arcee", "per_layer"), ("alpha_er", "per_layer"), ("arcee", "clt")],
