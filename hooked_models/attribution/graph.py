@@ -233,10 +233,6 @@ class AttributionGraph:
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
         return export.plot(pruned, path, ax, title)
 
-    def json_node(self, i: int) -> dict:
-        """Node i as the graph file writes it (circuit-tracer's `Node`: node_id, feature_type, ...)."""
-        return export.json_node(self, i)
-
     def str_tokens_or_ids(self) -> list[str]:
         """The prompt's tokens as strings (their ids where the model had no tokenizer)."""
         return list(self.str_tokens) if self.str_tokens else [str(t) for t in self.tokens.tolist()]

@@ -4,9 +4,7 @@ Every number it sends is computed by the package (`run_with_cache`, `cache.logit
 `patching.activation_patch`, `circuits.edge_attribution` / `edge_patch` / `faithfulness_curve`,
 `features.dashboard` / `search_by_token`); the server only parses requests, runs them and sends the
 results as JSON. Long computations (patching, circuits, feature passes over a harvest) are background jobs
-on a one-thread pool: a request returns the job's id at once and the page polls `/api/jobs/{id}`. One
-computation touches the model at a time (a lock): hooks are state on the model, and two runs adding
-hooks at once would see each other's.
+(`jobs.py`): a request returns the job's id at once and the page polls `/api/jobs/{id}`.
 
 Safety: files are read only under the directories given (`data`), resolved with symlinks followed, so
 `..` or a link out is refused; files are parsed as JSON or safetensors, never unpickled; no request
@@ -15,12 +13,8 @@ names code to run (values and edges are looked up in the model's own tables).
 
 import json
 import threading
-import time
-import traceback
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,7 +26,9 @@ from pydantic import BaseModel, ValidationError
 
 from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
+from hooked_models.attribution.export import json_node
 from hooked_models.explorer.graph_file import GraphFile
+from hooked_models.explorer.jobs import Job, Jobs, message
 from hooked_models.transcoders import TranscoderSet
 from hooked_models.saes import sae_hook_name
 
@@ -92,26 +88,6 @@ class SearchRequest(BaseModel):
     k: int = 10
 
 
-# ---------------------------------------------------------------------------------------------- jobs
-@dataclass
-class Job:
-    """A background computation: `state` queued → running → done | error; `progress` in [0, 1] where the
-    function reports it (None: unknown); `result` the JSON it returned, `error` the message it raised."""
-
-    id: str
-    kind: str
-    state: str = "queued"
-    progress: float | None = None
-    started: float = field(default_factory=time.time)
-    finished: float | None = None
-    result: object = None
-    error: str | None = None
-
-    def status(self) -> dict:
-        elapsed = (self.finished or time.time()) - self.started
-        return {**asdict(self), "elapsed": elapsed}
-
-
 def finite_list(tensor: torch.Tensor) -> list:
     """tensor.tolist() with every non-finite entry (a masked score's -inf) as None: JSON has no infinity."""
     values = tensor.tolist()
@@ -124,13 +100,6 @@ def finite_list(tensor: torch.Tensor) -> list:
                 row = row[int(i)]
             row[int(last)] = None
     return values
-
-
-def _message(error: Exception) -> str:
-    """The user's message for an exception: its text (a KeyError's without the quotes repr adds)."""
-    if isinstance(error, KeyError) and error.args:
-        return str(error.args[0])
-    return str(error) or type(error).__name__
 
 
 # ------------------------------------------------------------------------------------------ explorer
@@ -146,8 +115,7 @@ class Explorer:
                 raise ValueError(f"data directory {root} does not exist or is not a directory")
         self.saes = _per_layer(saes or {})
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="explorer-job")
-        self.jobs: dict[str, Job] = {}
+        self.queue = Jobs(self.lock)
 
     # ---------------------------------------------------------------------------- inputs
     def path(self, path: str) -> Path:
@@ -191,29 +159,14 @@ class Explorer:
         return self.saes[name]
 
     # ---------------------------------------------------------------------------- jobs
-    def submit(self, kind: str, work: Callable[[Job], object]) -> dict:
-        job = Job(uuid.uuid4().hex[:12], kind)
-        self.jobs[job.id] = job
-
-        def run():
-            job.state = "running"
-            try:
-                with self.lock:
-                    job.result = work(job)
-                job.progress, job.state = 1.0, "done"
-            except Exception as error:  # noqa: BLE001 - any failure is the job's message; the server serves on
-                job.error, job.state = _message(error), "error"
-                if not isinstance(error, (ValueError, KeyError, IndexError)):
-                    traceback.print_exc()
-            job.finished = time.time()
-
-        self.pool.submit(run)
-        return {"job": job.id, "kind": kind}
+    def submit(self, kind: str, work) -> dict:
+        return self.queue.submit(kind, work)
 
     def job(self, job_id: str) -> Job:
-        if job_id not in self.jobs:
-            raise HTTPException(404, f"no job {job_id!r}")
-        return self.jobs[job_id]
+        try:
+            return self.queue.get(job_id)
+        except KeyError:
+            raise HTTPException(404, f"no job {job_id!r}") from None
 
     # ---------------------------------------------------------------------------- views
     def describe(self) -> dict:
@@ -389,7 +342,7 @@ def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
     crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
     if graph.loading_edges is None:
         return
-    index = {graph.json_node(i)["node_id"]: i for i in range(graph.n_nodes)}
+    index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
     for link in links:
         split = graph.edge_loadings(index[link["target"]], index[link["source"]])
         if split is None:
@@ -442,7 +395,7 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
     # library's ValueError (UnknownHookError is one too): the page shows its message.
     @app.exception_handler(ValueError)
     async def bad_input(request: Request, error: ValueError):
-        return JSONResponse({"error": _message(error)}, status_code=400)
+        return JSONResponse({"error": message(error)}, status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):

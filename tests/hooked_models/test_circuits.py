@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hooked_models import HookedAlphaEr, HookedArcee, circuits, patching
+from hooked_models.circuits.diagram import _Placement
 from hooked_models.embedded.task import make_ioi_prompts
 
 
@@ -389,7 +390,7 @@ def test_the_diagram_joins_key_value_heads_to_their_heads_and_routes_no_edge_thr
     pairs = make_ioi_prompts(4, seed=0)
     graph = circuits.edge_attribution(model, pairs.clean_tokens, pairs.corrupted_tokens,
                                       patching.logit_diff_metric(pairs.correct, pairs.incorrect), method="eap")
-    place = circuits._Placement(graph.sizes)
+    place = _Placement(graph.sizes)
     where = {b: place.box(b) for b in {place.box_of(n) for n in graph.nodes} | {"input", "logits"}}
     t = torch.linspace(0, 1, 41)
     for writer, reader in graph.edges:

@@ -5,6 +5,7 @@ import torch
 import transformer_lens.patching as tl_patching
 
 from hooked_models import patching
+from hooked_models.patching.runner import _chunks, _Job
 
 SEQ = 8
 
@@ -175,7 +176,7 @@ def test_the_default_budget_is_half_the_free_memory(tiny_arcee, prompts, monkeyp
         asked.append(torch.device(device).type)
         return 2 * 5 * patching.row_bytes(tiny_arcee, corrupted, start=2)  # half of it: 5 copies
 
-    monkeypatch.setattr(patching, "free_memory", free)
+    monkeypatch.setattr("hooked_models.patching.activation.free_memory", free)
     rows = forwards(tiny_arcee, lambda: patching.activation_patch(
         tiny_arcee, clean, corrupted, metric, "attention_head_outputs", ("layer", "head")))
     assert asked == ["cpu"] and rows == [2, 2, 10, 10, 10, 10]
@@ -193,11 +194,11 @@ def test_free_memory_reads_the_device():
 def test_starts_share_a_forward_when_that_is_cheaper():
     """Patches of one start share a forward; the next start's join it while the positions they then
     run for nothing cost less than the layer calls a forward of their own would."""
-    jobs = [patching._Job(row, patching.Patch("layers.0.layer_input", (None, None)), stage, start)
+    jobs = [_Job(row, patching.Patch("layers.0.layer_input", (None, None)), stage, start)
             for row, (stage, start) in enumerate([(0, 1), (1, 1), (0, 2), (1, 2), (1, 6)])]
 
     def chunks(call_rows: float, capacity=100):
-        found = patching._chunks(jobs, 4, 14, 2, lambda start: capacity, call_rows)
+        found = _chunks(jobs, 4, 14, 2, lambda start: capacity, call_rows)
         return [[job.row for job in chunk] for chunk in found]
 
     # Overhead-bound (a tiny model): one forward. Compute-bound: a forward per start.
