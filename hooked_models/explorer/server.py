@@ -293,8 +293,9 @@ class Explorer:
             raise ValueError(f"{request.path!r} is not an attribution graph in circuit-tracer's schema: "
                              f"{problems}") from None
         graph = graph.checked().model_dump()
-        if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings come along
+        if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings and QK come along
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
+            graph["qk_attributions"] = data.get("qk_attributions", [])
         return graph
 
     def dashboard(self, request: FeatureRequest) -> dict:
@@ -343,11 +344,12 @@ def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
     if graph.loading_edges is None:
         return
     index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
+    row = {(t, s): e for e, (t, s) in enumerate(graph.loading_edges.tolist())}
     for link in links:
-        split = graph.edge_loadings(index[link["target"]], index[link["source"]])
-        if split is None:
+        e = row.get((index[link["target"]], index[link["source"]]))
+        if e is None:
             continue
-        loadings, skips = split
+        loadings, skips = graph.loading_heads[e], graph.loading_skips[e]
         heads = {}
         for layer in range(loadings.shape[0]):
             if bool(loadings[layer].any()):
