@@ -5,8 +5,8 @@ circuit-tracer). The weight of an edge is the direct effect of its source on its
 in the linear replacement model (hooked_models/attribution/replacement.py): the target's input direction
 (an encoder column; a logit minus the mean logit) backpropagated to where the source writes, dotted with
 what it writes (activation x decoder row; the error; the embedding). Each batched backward pass computes
-the rows of `batch_size` targets at once, on as many copies of the prompt, so a graph costs one forward
-and (targets / batch_size) backward passes, never one pass per edge.
+the rows of `batch_size` targets at once (batched gradients over one frozen forward), so a graph
+costs one forward and (targets / batch_size) backward passes, never one pass per edge.
 """
 
 from collections.abc import Sequence
@@ -51,7 +51,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     most `max_n_logits` (circuit-tracer's salient logits). `max_feature_nodes`: compute the rows of at
     most this many features, chosen as circuit-tracer chooses them (by their influence on the outputs,
     estimated from the rows computed so far, in batches); the others are not nodes. `batch_size`:
-    targets per backward pass (and copies of the prompt held for them).
+    targets per backward pass (the gradients of that many held at once).
 
     `head_loadings`: split edges over each attention layer's heads (hooked_models/attribution/heads.py):
     "pruned" (the edges `prune(node_threshold, edge_threshold)` keeps), "all" or True (every edge: for
@@ -63,7 +63,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     `progress`: hooked_models/progress.py's `progress=` (phases "logits", "features", "gradients",
     "decomposition"); a callable raising `Cancelled` stops the run at a batch, the model's hooks removed.
 
-    Memory above the model and transcoders: `batch_size` copies of one frozen forward, one backward
+    Memory above the model and transcoders: one frozen forward, one batched backward
     pass's gradients at the leaves, the computed rows (targets x sources: with `max_feature_nodes`,
     only the rows computed) and the graph (nodes²); with head loadings, the kept targets' gradients at
     the head outputs (kept targets x layers x seq x heads x head_dim) and [kept edge layer head].
@@ -81,7 +81,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     n_layers, seq = transcoders.n_layers, tokens.shape[1]
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
-    replica = Replica(state, batch_size)
+    replica = Replica(state)
 
     def target(key) -> Target:
         if key[0] == "output":

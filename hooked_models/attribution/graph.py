@@ -165,7 +165,12 @@ class AttributionGraph:
         then the edges that carry `edge_threshold` of the kept nodes' edge influence, then drop, until
         nothing changes, features without incoming edges and features and errors without outgoing ones.
         Influence: abs(adjacency), each row normalized to sum 1, propagated from the logits' probabilities
-        through every path."""
+        through every path.
+
+        Where it differs from circuit-tracer's `prune_graph`: an edge of weight zero is never kept
+        (circuit-tracer keeps every edge whose score reaches the threshold, so at `edge_threshold=1.0`,
+        where the threshold score is 0, it keeps the zero-weight ones too, and the nodes they keep);
+        below 1.0 the two keep the same nodes and edges (tests/test_circuit_tracer_compare.py)."""
         for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}={value} must be between 0 and 1")

@@ -110,13 +110,13 @@ def directions(replica: Replica, targets: Sequence[Target]) -> tuple[dict, Tenso
     """The targets' input directions as gradients: [batch seq d_in] at each transcoder input read,
     [batch seq vocab] at the logits (target b in copy b of the prompt)."""
     tcs = replica.prompt.transcoders
-    batch, seq = replica.logits.shape[:2]
+    batch, seq = len(targets), replica.logits.shape[1]
     device = replica.logits.device
     grad_inputs, grad_logits = {}, None
     for b, target in enumerate(targets):
         if target.layer is None:
             if grad_logits is None:
-                grad_logits = torch.zeros(replica.logits.shape, dtype=target.direction.dtype, device=device)
+                grad_logits = torch.zeros(batch, *replica.logits.shape[1:], dtype=target.direction.dtype, device=device)
             grad_logits[b, target.pos] = target.direction.to(device)
         else:
             if target.layer not in grad_inputs:
