@@ -56,9 +56,10 @@ class QKTable:
         return self.cap * math.tanh(self.score / self.cap) if self.cap else self.score
 
     def top(self, k: int = 20) -> list[dict]:
-        """The k pairs of largest |value|: {"query", "key", "value"}, strongest first."""
+        """The k pairs of largest |value| (nonzero ones): {"query", "key", "value"}, strongest first."""
         pairs = self.pairs()
         order = pairs.abs().flatten().argsort(descending=True)[:k]
+        order = order[pairs.flatten()[order] != 0]
         n = pairs.shape[1]
         return [{"query": self.names[int(i) // n], "key": self.names[int(i) % n], "value": float(pairs.flatten()[i])}
                 for i in order]
