@@ -103,15 +103,17 @@ class Replacement:
         return SimpleNamespace(pre=pre, logits=logits - logits.mean(-1, keepdim=True), raw=logits, values=captured)
 
 
-@pytest.fixture(scope="module", params=[("arcee", "per_layer"), ("alpha_er", "per_layer"), ("arcee", "clt")],
-                ids=["arcee", "alpha_er", "arcee_clt"])
+# The cases: (family, transcoders) by id.
+CASES = {"arcee": ("arcee", "per_layer"), "alpha_er": ("alpha_er", "per_layer"), "arcee_clt": ("arcee", "clt")}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def family_setup(request, tl_model_factory):
     """(model, transcoders, tokens) for both families and a cross-layer transcoder."""
-    family, kind = request.param
+    family, kind = CASES[request.param]
     model = tl_model_factory(family)
-    tcs = untied_transcoders(model, kind)
-    tokens = torch.randint(0, model.cfg.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(3))
-    return model, tcs, tokens
+    prompt = torch.randint(0, model.cfg.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(3))
+    return model, untied_transcoders(model, kind), prompt
 
 
 @pytest.fixture(scope="session")
