@@ -12,7 +12,8 @@ the embedded Arcee and alpha-er with their shipped transcoders (all features, he
 random 8-layer, 1024-wide GQA Arcee (the benchmarks' shape) with random TopK transcoders (k features
 per layer and position, so the feature count is layers x positions x k), head loadings off. `--afm`:
 the synthetic AFM-4.5B checkpoint of benchmarks/load_4_5b.py in bfloat16 with per-layer transcoders of
-8,192 random features (bfloat16), a 16-token prompt; target peak RSS <= 1.5x checkpoint + transcoders.
+8,192 random features (bfloat16), a 32-token prompt, 512 features, head loadings and QK for the pruned
+graph; target peak RSS <= 1.5x checkpoint + transcoders.
 Results go to benchmarks/results/attribution.json (--afm: attribution_afm.json), which
 benchmarks/figures.py renders into the READMEs.
 """
@@ -101,8 +102,10 @@ def random_arcee_runs(seqs: list[int], budgets: list[int | None], all_up_to: int
             record("random_arcee", {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result})
 
 
-def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int) -> dict:
-    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders, one 16-token prompt."""
+def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int, seq: int = 32,
+            head_loadings: str | bool = "pruned") -> dict:
+    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders, one `seq`-token prompt, head
+    loadings and QK for the pruned graph (unless `head_loadings` is False)."""
     from benchmarks.load_4_5b import write_checkpoint
     from hooked_models.families.arcee import AFM_4_5B
 
@@ -117,8 +120,8 @@ def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int
         for p in transcoders.parameters():
             p.requires_grad_(False)
         transcoder_bytes = sum(p.numel() * p.element_size() for p in transcoders.parameters())
-        result = measure(model, random_tokens(model, 16), transcoders, max_feature_nodes=max_feature_nodes,
-                         batch_size=batch_size, head_loadings=False)
+        result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes,
+                         batch_size=batch_size, head_loadings=head_loadings)
         budget = checkpoint_bytes + transcoder_bytes
         return {"model": "AFM-4.5B shape (synthetic, bfloat16)", "d_transcoder": 8192, "k": 32,
                 "checkpoint_bytes": checkpoint_bytes, "transcoder_bytes": transcoder_bytes,
@@ -166,7 +169,10 @@ def file_sizes(targets: list[int], seq: int = 64) -> list[dict]:
     transcoders = jumprelu_transcoders(model, 1024, 0)
     tokens = continued(model.to_tokens(PROMPT), seq, model.cfg.vocab_size, 0)
     whole = attribute(model, tokens, transcoders, head_loadings=False)
-    dense_json = len(json.dumps(whole.adjacency_matrix.tolist()))
+    # The unpruned adjacency as JSON text (what the file used to carry), from a sample's bytes per entry.
+    flat = whole.adjacency_matrix.flatten()
+    sample = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:100_000]]
+    dense_json = int(len(json.dumps(sample.tolist())) / sample.numel() * flat.numel())
     rows = []
     for target in targets:
         low, high = 0.0, 1.0  # the node threshold that keeps about `target` nodes
@@ -199,7 +205,9 @@ def main() -> None:
                         help="only the 8 x 1024 Arcee at 64 tokens, 2,048 features, head loadings and QK on")
     parser.add_argument("--afm-dir", type=Path, default=Path("/tmp/afm_4_5b_attribution"))
     parser.add_argument("--keep", action="store_true", help="keep the AFM checkpoint")
-    parser.add_argument("--afm-features", type=int, default=64, help="max_feature_nodes of the AFM run")
+    parser.add_argument("--afm-features", type=int, default=512, help="max_feature_nodes of the AFM run")
+    parser.add_argument("--afm-seq", type=int, default=32, help="the AFM run's prompt length")
+    parser.add_argument("--afm-no-heads", action="store_true", help="the AFM run without head loadings and QK")
     parser.add_argument("--batch-size", type=int, default=16, help="the AFM run's targets per backward pass")
     parser.add_argument("--seqs", type=int, nargs="+", default=[8, 16, 32], help="random Arcee prompt lengths")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 0],
@@ -220,7 +228,8 @@ def main() -> None:
         return
     if args.afm:
         results = Results("attribution_afm")
-        figures = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size)
+        figures = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size, args.afm_seq,
+                          False if args.afm_no_heads else "pruned")
         print(figures, flush=True)
         results.save(figures)
         return
