@@ -82,13 +82,15 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
     replica = Replica(state)
+    encoders = [transcoders.encoder(layer).detach().to(dtype) for layer in range(n_layers)]
+    active = state.active.tolist()
 
     def target(key) -> Target:
         if key[0] == "output":
             output = outputs[key[1]]
             return Target(None, output.pos, output.direction.to(dtype))
-        layer, pos, feature = state.active[key[1]].tolist()
-        return Target(layer, pos, transcoders.encoder(layer)[:, feature].detach().to(dtype))
+        layer, pos, feature = active[key[1]]
+        return Target(layer, pos, encoders[layer][:, feature])
 
     computed: dict = {}  # target key -> its row over every source
     output_keys = [("output", k) for k in range(len(outputs))]
