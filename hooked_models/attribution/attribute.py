@@ -92,7 +92,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         layer, pos, feature = active[key[1]]
         return Target(layer, pos, encoders[layer][:, feature])
 
-    computed: dict = {}  # target key -> its row over every source
+    computed = _Rows()  # each target's row over every source, batch by batch
     output_keys = [("output", k) for k in range(len(outputs))]
     budget = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
     with tracker(progress, total=len(output_keys), desc="attribution", unit="target", phase="logits") as track:
@@ -100,9 +100,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         def compute(keys: list) -> None:
             for start in range(0, len(keys), batch_size):
                 chunk = keys[start:start + batch_size]
-                rows = target_rows(replica, [target(k) for k in chunk]).cpu()  # the graph is assembled on the CPU
-                for j, key in enumerate(chunk):
-                    computed[key] = rows[j].clone()  # its own storage: the batch's rows go with the batch
+                computed.add(chunk, target_rows(replica, [target(k) for k in chunk]).cpu())  # assembled on the CPU
                 track.advance(len(chunk))
 
         compute(output_keys)
@@ -114,14 +112,13 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         else:
             selected = _select_features(computed, output_keys, weights, n_active, budget, batch_size, compute)
 
-        # Assemble over the selected features: columns of the others dropped, each row released as placed.
+        # Assemble over the selected features: columns of the others dropped, each batch released as placed.
         keep_columns = torch.cat([selected, torch.arange(n_active, n_sources)])
         n_nodes = len(selected) + n_layers * seq + seq + len(output_keys)
         adjacency = torch.zeros(n_nodes, n_nodes, dtype=dtype)
         placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
                   *zip(range(n_nodes - len(output_keys), n_nodes), output_keys)]
-        for r, key in placed:
-            adjacency[r, :len(keep_columns)] = computed.pop(key)[keep_columns]
+        computed.place(dict((key, r) for r, key in placed), keep_columns, adjacency)
         graph = _graph(model, prompt, tokens, transcoders, state, selected, outputs, adjacency)
         if not head_loadings:
             return graph
@@ -175,14 +172,45 @@ def _graph(model, prompt, tokens, transcoders, state: Prompt, selected: Tensor, 
         logit_positions=None if all(p == seq - 1 for p in positions) else torch.tensor(positions, dtype=torch.long))
 
 
-def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
+class _Rows:
+    """The computed rows, kept as their batches ([batch source] each) with each key's (batch, row): one
+    tensor per batch, not one per row (a graph's thousands of small objects had the collector pause)."""
+
+    def __init__(self):
+        self.batches: list[Tensor] = []
+        self.at: dict = {}
+
+    def add(self, keys: list, rows: Tensor) -> None:
+        for j, key in enumerate(keys):
+            self.at[key] = (len(self.batches), j)
+        self.batches.append(rows)
+
+    def stack(self, keys: list) -> Tensor:
+        return torch.stack([self.batches[b][j] for b, j in (self.at[key] for key in keys)])
+
+    def place(self, rows: dict, columns: Tensor, out: Tensor) -> None:
+        """Write the rows of the keys in `rows` (key -> row of `out`), over `columns`, releasing each batch."""
+        full = len(columns) == self.batches[0].shape[1] and bool((columns == torch.arange(len(columns))).all())
+        by_batch: dict[int, list] = {}
+        for key, r in rows.items():
+            b, j = self.at[key]
+            by_batch.setdefault(b, []).append((j, r))
+        for b in range(len(self.batches)):
+            if b in by_batch:
+                j, r = (torch.tensor(x) for x in zip(*by_batch[b]))
+                batch = self.batches[b][j]
+                out[r, :len(columns)] = batch if full else batch[:, columns]
+            self.batches[b] = None
+
+
+def _select_features(computed: "_Rows", logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
                      batch_size: int, compute) -> Tensor:
     """circuit-tracer's feature selection: rank the features not yet computed by their influence on the
     logits through the rows computed so far, compute the top batch, repeat until `budget` are. Only the
     computed rows are held ([computed source], never a dense [source source] matrix)."""
     done: list[int] = []
     while len(done) < budget:
-        rows = torch.stack([computed[key] for key in [*logit_keys, *[("feature", i) for i in done]]]).float()
+        rows = computed.stack([*logit_keys, *[("feature", i) for i in done]]).float()
         own_column = torch.tensor([-1] * len(logit_keys) + done, dtype=torch.long)
         weights = torch.cat([logit_probs.float().cpu(), torch.zeros(len(done))])
         influence = _influence_of_rows(normalized_abs(rows), own_column, weights)[:n_active]
