@@ -91,11 +91,13 @@ class Tracker:
 
 
 def tracker(progress: ProgressArg, *, total: int, desc: str, unit: str = "it", phase: str = "",
-            long: bool = True) -> Tracker:
+            long: bool = True, unit_scale: bool = False) -> Tracker:
     """The `Tracker` for a function's `progress=` argument. `long`: whether the work is long enough for a
-    bar when `progress` is None (then shown only on a terminal). Close it when done (or use `with`)."""
+    bar when `progress` is None (then shown only on a terminal). `unit_scale`: the bar counts in k, M, ...
+    (tqdm's). Close it when done (or use `with`)."""
     callback = progress if callable(progress) else None
     show = (sys.stderr.isatty() and long) if progress is None else progress is True
-    bar = tqdm(total=total, desc=f"{desc}: {phase}" if phase else desc, unit=unit) if show else None
+    bar = (tqdm(total=total, desc=f"{desc}: {phase}" if phase else desc, unit=unit, unit_scale=unit_scale)
+           if show else None)
     return Tracker(callback, bar, total, phase, unit)
 

@@ -197,3 +197,66 @@ def randomize_transcoder_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Mo
 def random_transcoder_():
     """`randomize_transcoder_` (tests cannot import conftest under importlib mode)."""
     return randomize_transcoder_
+
+
+# ------------------------------------------------------------------------------------------- progress
+class ProgressProbe:
+    """A `progress=` callable that records every Step and raises `Cancelled` at the `cancel_at`-th one."""
+
+    def __init__(self, cancel_at: int | None = None):
+        self.steps, self.cancel_at = [], cancel_at
+
+    def __call__(self, step) -> None:
+        from hooked_models.progress import Cancelled
+
+        self.steps.append(step)
+        if len(self.steps) == self.cancel_at:
+            raise Cancelled(f"cancelled at step {len(self.steps)}")
+
+    def check_complete(self, unit: str) -> None:
+        """The steps count up (never back), in one total and `unit`, and the last is all the work."""
+        assert self.steps, "the callable saw no step"
+        done = [s.done for s in self.steps]
+        assert done == sorted(done) and len({s.total for s in self.steps}) == 1, self.steps
+        assert {s.unit for s in self.steps} == {unit}
+        assert self.steps[-1].done == self.steps[-1].total > 0
+
+
+def hooks_left(model: torch.nn.Module) -> list[str]:
+    """Every module that still has a hook of any kind: TransformerLens's lists and torch's own dicts."""
+    left = []
+    for name, module in model.named_modules():
+        kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+        if any(getattr(module, kind, None) for kind in kinds) or getattr(module, "fwd_hooks", None) \
+                or getattr(module, "bwd_hooks", None):
+            left.append(name)
+    return left
+
+
+class ProgressChecks:
+    """What every long function's `progress=` must do (tests cannot import conftest under importlib mode)."""
+
+    Probe = ProgressProbe
+
+    @staticmethod
+    def check_cancelled(model, tokens: torch.Tensor, run, cancel_at: int = 2) -> ProgressProbe:
+        """`run(progress)` with a probe cancelling at its `cancel_at`-th step: `Cancelled` reaches the caller,
+        no step comes after it, no hook stays on the model, and its logits are as before, bit for bit."""
+        from hooked_models.progress import Cancelled
+
+        with torch.no_grad():
+            before = model(tokens)
+        assert hooks_left(model) == []
+        probe = ProgressProbe(cancel_at)
+        with pytest.raises(Cancelled):
+            run(probe)
+        assert len(probe.steps) == cancel_at and probe.steps[-1].done < probe.steps[-1].total, probe.steps
+        assert hooks_left(model) == []
+        with torch.no_grad():
+            assert torch.equal(model(tokens), before)
+        return probe
+
+
+@pytest.fixture(scope="session")
+def progress_checks():
+    return ProgressChecks

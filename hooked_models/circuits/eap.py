@@ -8,6 +8,7 @@ from hooked_models.circuits.graph import Graph
 from hooked_models.circuits.layout import _check_runs, _Layout, _slots, _stream_bytes, _writer_outputs
 from hooked_models.patching.inputs import Metric, _scalar
 from hooked_models.patching.runner import row_bytes
+from hooked_models.progress import ProgressArg, tracker
 
 METHODS = ("eap", "eap-ig")
 
@@ -23,6 +24,7 @@ def edge_attribution(
     *,
     batch_size: int | None = None,
     memory_budget: int = 2**30,
+    progress: ProgressArg = None,
 ) -> Graph:
     """A score for every edge of the model's graph: the estimated `edge_patch(..., [[edge]])` minus the clean
     metric, (corrupted - clean output of the writer) · the gradient of the metric at the reader's input.
@@ -32,6 +34,9 @@ def edge_attribution(
     (k + 1/2) / steps of the way from the clean embeddings to the corrupted ones (integrated gradients on the
     embeddings); the steps run batched, `batch_size` of them per forward and backward (default: as many as
     `memory_budget` bytes allow). Many prompt pairs are scored at once: the metric averages over them.
+    progress: False, True (a tqdm bar), None (a bar on a terminal when the steps take several forwards), or a
+    callable handed a `hooked_models.progress.Step` in steps (EAP: one) after each backward; raising
+    `Cancelled` stops it there, the model left as it was.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, not {method!r}")
@@ -44,7 +49,9 @@ def edge_attribution(
     corrupted_metric = float(_scalar(metric(corrupted_logits)))
     readers = [h.name for h in layout.reader_hooks]
     if method == "eap":
-        grads, clean_out, clean_metric = _reader_gradients(model, clean, metric, readers, layout)
+        with tracker(progress, total=1, desc="edge attribution (eap)", unit="step", long=False) as done:
+            grads, clean_out, clean_metric = _reader_gradients(model, clean, metric, readers, layout)
+            done.advance()
     else:
         clean_logits, clean_out = _writer_outputs(model, clean, layout, ["token_embeddings"])
         clean_metric = float(_scalar(metric(clean_logits)))
@@ -54,11 +61,14 @@ def edge_attribution(
         per_forward = batch_size or max(1, memory_budget // per_step)
         alphas = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
         grads = {}
-        for start in range(0, steps, per_forward):
-            part, _, _ = _reader_gradients(model, clean, metric, readers, layout, embeddings,
-                                           alphas[start:start + per_forward])
-            for name, g in part.items():
-                grads[name] = g if name not in grads else grads[name] + g
+        with tracker(progress, total=steps, desc="edge attribution (eap-ig)", unit="step",
+                     long=steps > per_forward) as done:
+            for start in range(0, steps, per_forward):
+                part, _, _ = _reader_gradients(model, clean, metric, readers, layout, embeddings,
+                                               alphas[start:start + per_forward])
+                for name, g in part.items():
+                    grads[name] = g if name not in grads else grads[name] + g
+                done.advance(len(alphas[start:start + per_forward]))
         grads = {name: g / steps for name, g in grads.items()}
     scores = _scores(layout, corrupted_out, clean_out, grads, seq, clean.device)
     return Graph(list(layout.edges), scores, method if method == "eap" else f"eap-ig ({steps} steps)",

@@ -3,17 +3,16 @@ path patching on top of it."""
 
 import difflib
 import fnmatch
-import sys
 from collections.abc import Sequence
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm import tqdm
 
 from hooked_models.circuits.layout import _check_runs, _Layout, _slots, _stream_bytes, _writer_outputs
 from hooked_models.patching.inputs import Metric, _scalar
 from hooked_models.patching.runner import row_bytes
+from hooked_models.progress import ProgressArg, tracker
 
 
 def edge_patch(
@@ -25,7 +24,7 @@ def edge_patch(
     *,
     batch_size: int | None = None,
     memory_budget: int = 2**30,
-    progress: bool | None = None,
+    progress: ProgressArg = None,
 ) -> Float[Tensor, " sets"]:
     """The metric with the edges of each set patched: the ground truth the estimates are judged against.
 
@@ -33,6 +32,8 @@ def edge_patch(
     in this run; every other reader reads what it would (module docstring). One value per set, batched:
     `batch_size` sets per forward (default: as many as `memory_budget` bytes allow). `[[e] for e in
     graph(model).edges]` patches every edge alone; `[[]]` is the clean run. [len(edge_sets)]
+    `progress`: False, True (a tqdm bar), None (a bar on a terminal when it takes several forwards), or a
+    callable handed a `hooked_models.progress.Step` in sets after each forward (raising `Cancelled` stops it).
     """
     layout = _Layout(model)
     values, _, _ = _edge_patch(model, clean, corrupted, metric, edge_sets, layout, batch_size=batch_size,
@@ -70,8 +71,8 @@ def _edge_patch(model, clean, corrupted, metric, edge_sets, layout: _Layout, bat
     # A patched copy of the prompts holds a forward's activations, every writer's delta, and the split inputs.
     per_set = row_bytes(model, clean) + _stream_bytes(model, clean) * (slots + 6 * model.cfg.n_heads)
     per_forward = batch_size or max(1, memory_budget // per_set)
-    show = sys.stderr.isatty() and len(todo) > per_forward if progress is None else progress
-    with torch.no_grad(), tqdm(total=len(todo), disable=not show, desc="edge patching", unit="set") as bar:
+    with torch.no_grad(), tracker(progress, total=len(todo), desc="edge patching", unit="set",
+                                  long=len(todo) > per_forward) as steps:
         for start in range(0, len(todo), per_forward):
             rows = todo[start:start + per_forward]
             chunk = masks[rows].to(device)
@@ -80,7 +81,7 @@ def _edge_patch(model, clean, corrupted, metric, edge_sets, layout: _Layout, bat
                 logits = model(clean.repeat(len(rows), 1))
             for row, copy in zip(rows, logits.unflatten(0, (len(rows), -1))):
                 results[row] = _scalar(metric(copy))
-            bar.update(len(rows))
+            steps.advance(len(rows))
     return (results.cpu(), *endpoints)
 
 

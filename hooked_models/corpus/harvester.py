@@ -4,7 +4,6 @@ cached-activations layout, a shard per unit of work."""
 import itertools
 import os
 import re
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -15,7 +14,6 @@ import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from tqdm import tqdm
 
 from hooked_models.corpus.data import read_corpus, require_datasets, window_batches
 from hooked_models.corpus.engines import Worker, check_engine, pool_size, run
@@ -36,6 +34,7 @@ from hooked_models.corpus.store import (
     stage_windows,
 )
 from hooked_models.hooks import ValueHook
+from hooked_models.progress import ProgressArg, tracker
 
 # Arrow has no bfloat16: it is stored widened to float32, which is exact.
 STORAGE = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.bfloat16: "float32"}
@@ -211,7 +210,7 @@ def harvest(
     engine: str = "local",
     num_workers: int = 1,
     resume: bool = True,
-    progress: bool | None = None,
+    progress: ProgressArg = None,
     shard_size: int | None = None,
     column: str | None = None,
     family: str | None = None,
@@ -310,9 +309,8 @@ def harvest(
                            features, torch.get_num_threads())
         todo = [s for s in range(plan.shards) if s not in manifest.done]
         (out / ".tmp").mkdir(exist_ok=True)
-        show = sys.stderr.isatty() if progress is None else progress
-        with tqdm(total=rows * context_size, initial=(rows - sum(_rows(plan, s) for s in todo)) * context_size,
-                  unit="tok", unit_scale=True, desc="harvest", disable=not show) as bar:
+        with tracker(progress, total=rows * context_size, desc="harvest", unit="tok", unit_scale=True) as steps:
+            steps.advance((rows - sum(_rows(plan, s) for s in todo)) * context_size)  # shards already written
             if todo:
                 worker_model = source if engine == "ray" else model
                 if engine == "ray":
@@ -321,7 +319,7 @@ def harvest(
                                    num_workers):
                     shard = int(result["shard"])
                     manifest.record(shard, plan)
-                    bar.update(_rows(plan, shard) * context_size)
+                    steps.advance(_rows(plan, shard) * context_size)
         finish(out, manifest, plan)
     return HarvestSummary(out, names, rows, context_size, plan.shards, len(todo), time.perf_counter() - began,
                           stop_at_layer, engine, num_workers)

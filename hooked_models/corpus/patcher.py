@@ -2,7 +2,6 @@
 combined into the mean over the pairs."""
 
 import pickle
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -10,12 +9,12 @@ import numpy as np
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm import tqdm
 
 from hooked_models.corpus.data import open_dataset
 from hooked_models.corpus.engines import Worker, check_engine, run
 from hooked_models.corpus.source import model_source, resolve_model
 from hooked_models.patching import PatchingResult, activation_patch
+from hooked_models.progress import ProgressArg, tracker
 
 
 PAIR_COLUMNS = ("clean", "corrupted")
@@ -136,7 +135,7 @@ def patch(
     num_workers: int = 1,
     chunk_size: int = 64,
     per_pair: bool = False,
-    progress: bool | None = None,
+    progress: ProgressArg = None,
     family: str | None = None,
     dtype=None,
     **options,
@@ -178,13 +177,12 @@ def patch(
     plan = PatchPlan(value, None if over is None else tuple(over), metric, per_pair, options, torch.get_num_threads())
     items = [{"chunk": c, **{k: v[start:start + chunk_size].numpy() for k, v in columns.items()}}
              for c, start in enumerate(range(0, total, chunk_size))]
-    show = sys.stderr.isatty() if progress is None else progress
     chunks = {}
-    with tqdm(total=total * seq, unit="tok", unit_scale=True, desc=f"patch {value}", disable=not show) as bar:
+    with tracker(progress, total=total * seq, desc=f"patch {value}", unit="tok", unit_scale=True) as steps:
         for row in run(PatchWorker, worker_model, plan, items, engine, num_workers):
-            done = pickle.loads(row["result"])
-            chunks[done["chunk"]] = done
-            bar.update(done["pairs"] * seq)
+            finished = pickle.loads(row["result"])
+            chunks[finished["chunk"]] = finished
+            steps.advance(finished["pairs"] * seq)
     result = _combine([chunks[c] for c in range(len(items))], total, per_pair)
     result.tokens = total * seq
     return result

@@ -1,12 +1,10 @@
 """`activation_patch`: every patch of a sweep run exactly, batched to a memory budget."""
 
-import sys
 from collections.abc import Sequence
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from tqdm import tqdm
 
 from hooked_models.devices import free_memory
 from hooked_models.patching.inputs import Metric, _checked_attention_mask, _runs, _scalar
@@ -23,6 +21,7 @@ from hooked_models.patching.runner import (
     row_bytes,
 )
 from hooked_models.patching.sites import _plan_from_cache, find_sites
+from hooked_models.progress import ProgressArg, tracker
 
 
 def activation_patch(
@@ -37,7 +36,7 @@ def activation_patch(
     select: dict[str, Sequence[int]] | None = None,
     batch_size: int | None = None,
     memory_budget: int | None = None,
-    progress: bool | None = None,
+    progress: ProgressArg = None,
     position_labels: Sequence[str] | None = None,
     attention_mask: Int[Tensor, "batch seq"] | None = None,
 ) -> PatchingResult:
@@ -51,7 +50,9 @@ def activation_patch(
     batch_size: patched copies per forward (default: as many as `memory_budget` bytes allow).
     memory_budget: bytes the patched forwards may take, by `row_bytes`'s estimate of a copy (default:
       half the device's free memory, `hooked_models.devices.free_memory`).
-    progress: a tqdm bar (default: when stderr is a terminal and the sweep takes several forwards).
+    progress: False, True (a tqdm bar), None (a bar when stderr is a terminal and the sweep takes several
+      forwards), or a callable handed a `hooked_models.progress.Step` in patches after each forward; it
+      may raise `Cancelled` to stop there (the model is left as it was).
     attention_mask: 1 for real tokens, 0 for padding [batch seq], shared by clean and corrupted.
 
     Each patched run computes only what the patch can change: the layers from the patch's on, the
@@ -86,13 +87,12 @@ def activation_patch(
     capacity = (lambda start: batch_size) if batch_size else (
         lambda start: max(1, budget // row_bytes(model, base, start)))
     chunks = _chunks(jobs, *base.shape, len(streams) - 1, capacity, layer_call_rows(model))
-    show = sys.stderr.isatty() and len(chunks) > 1 if progress is None else progress
     results = base_metric.repeat(len(patches))
     base_run = _BaseRun(base, attention_mask, base_cache, streams, keys_values)
     values = {s.name: s.value for s in sites}
-    with torch.no_grad(), tqdm(total=len(patches), disable=not show, desc=f"patching {value}",
-                               unit="patch") as bar:
-        bar.update(len(patches) - len(jobs))
+    with torch.no_grad(), tracker(progress, total=len(patches), desc=f"patching {value}", unit="patch",
+                                  long=len(chunks) > 1) as steps:
+        steps.advance(len(patches) - len(jobs))  # the patches that change nothing are done
         for chunk in chunks:
             chunk = sorted(chunk, key=lambda job: job.stage)
             start = min(job.start for job in chunk)
@@ -101,5 +101,5 @@ def activation_patch(
                 if start:  # positions before the window: the unpatched run's logits (a patch cannot reach back)
                     copy = torch.cat([base_logits[:, :start].to(copy.device), copy], 1)
                 results[job.row] = _scalar(metric(copy))
-            bar.update(len(chunk))
+            steps.advance(len(chunk))
     return _result(results, grid, value, direction, float(base_metric), float(_scalar(metric(source_logits))))

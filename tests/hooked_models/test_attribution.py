@@ -18,7 +18,9 @@ SEQ = 8  # a multiple of alpha-er's experts
 
 
 def make_transcoders(model, kind: str = "per_layer", seed: int = 0, d_transcoder: int = 32):
-    """Random transcoders with skip connections and non-zero biases, so a dropped bias or skip cannot pass."""
+    """Random transcoders with skip connections and non-zero biases, so a dropped bias or skip cannot pass;
+    each encoder drawn apart from its decoder (`init_transcoder_` makes it the decoder's transpose), so that
+    an encoder read where a decoder belongs, or the reverse, cannot pass."""
     d, n = model.cfg.hidden_size, model.cfg.num_layers
     if kind == "per_layer":
         tcs = TranscoderSet([Transcoder(d, d_transcoder, layer=l, skip=True) for l in range(n)], model=model)
@@ -28,8 +30,9 @@ def make_transcoders(model, kind: str = "per_layer", seed: int = 0, d_transcoder
         parts = [tcs]
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for part in parts:
-            init_transcoder_(part, seed=seed)
+        for i, part in enumerate(parts):  # no two layers' decoders alike either
+            init_transcoder_(part, seed=seed + i)
+            part.W_enc.copy_(torch.randn(part.W_enc.shape, generator=generator) / part.d_in ** 0.5)
             part.b_enc.add_(0.1)
             for p in (part.b_dec, part.W_skip):
                 p.copy_(0.1 * torch.randn(p.shape, generator=generator))

@@ -319,6 +319,36 @@ def test_eap_ig_in_batches_of_steps_is_the_same(tl_model):
     assert whole.method == "eap-ig (4 steps)" and whole.edges == circuits.graph(tl_model).edges
 
 
+# The long runs, each a function of (model, clean, corrupted, progress), and the unit they count in.
+LONG_RUNS = {
+    "eap-ig": ("step", lambda model, clean, corrupted, progress: circuits.edge_attribution(
+        model, clean, corrupted, metric, "eap-ig", steps=4, batch_size=1, progress=progress).scores),
+    "eap": ("step", lambda model, clean, corrupted, progress: circuits.edge_attribution(
+        model, clean, corrupted, metric, "eap", progress=progress).scores),
+    "edge_patch": ("set", lambda model, clean, corrupted, progress: circuits.edge_patch(
+        model, clean, corrupted, metric, [[e] for e in circuits.graph(model).edges[:6]], batch_size=2,
+        progress=progress)),
+}
+
+
+@pytest.mark.parametrize("run", LONG_RUNS)
+def test_a_progress_callable_sees_every_step(tl_model, progress_checks, run):
+    unit, long_run = LONG_RUNS[run]
+    clean, corrupted = prompts(tl_model)
+    probe = progress_checks.Probe()
+    result = long_run(tl_model, clean, corrupted, probe)
+    probe.check_complete(unit)
+    assert probe.steps[-1].total == {"eap-ig": 4, "eap": 1, "edge_patch": 6}[run]
+    assert torch.equal(result, long_run(tl_model, clean, corrupted, False))
+
+
+@pytest.mark.parametrize("run", ["eap-ig", "edge_patch"])
+def test_cancelling_leaves_the_model_as_it_was(tl_model, progress_checks, run):
+    _, long_run = LONG_RUNS[run]
+    clean, corrupted = prompts(tl_model)
+    progress_checks.check_cancelled(tl_model, clean, lambda progress: long_run(tl_model, clean, corrupted, progress))
+
+
 @pytest.fixture(scope="module", params=[HookedArcee, HookedAlphaEr], ids=["arcee", "alpha_er"])
 def embedded_scores(request):
     """The embedded IOI model: EAP, EAP-IG and exact edge patching of every edge, 8 prompt pairs."""

@@ -320,6 +320,24 @@ def test_harvest_errors_are_clear(tmp_path):
     assert not (tmp_path / "a" / "manifest.json").exists()
 
 
+def test_harvest_reports_progress_and_a_cancelled_one_finishes_on_rerun(tl_model, tmp_path, progress_checks):
+    names = ["layers.0.layer_output", "layers.1.self_attn.attention_head_outputs"]
+    tokens = tokens_for(tl_model, 24)
+    options = dict(batch_size=5, shard_size=10)  # shards of 10, 10, 4 rows
+    corpus.harvest(tl_model, tokens, names, tmp_path / "plain", progress=False, **options)
+    probe = progress_checks.Probe()
+    corpus.harvest(tl_model, tokens, names, tmp_path / "watched", progress=probe, **options)
+    probe.check_complete("tok")
+    assert [s.done for s in probe.steps] == [0, 160, 320, 384]
+    assert output_files(tmp_path / "watched") == output_files(tmp_path / "plain")
+    # Cancelled after its first shard: the shards written stay, and a rerun finishes the same bytes.
+    progress_checks.check_cancelled(tl_model, tokens, lambda progress: corpus.harvest(
+        tl_model, tokens, names, tmp_path / "cancelled", progress=progress, **options))
+    assert shards_done(tmp_path / "cancelled") == 1
+    corpus.harvest(tl_model, tokens, names, tmp_path / "cancelled", progress=False, **options)
+    assert output_files(tmp_path / "cancelled") == output_files(tmp_path / "plain")
+
+
 # -------------------------------------------------------------------------------------------- patch
 def ioi_pairs(model, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     pairs = make_ioi_prompts(n, seed, tokenizer=model.tokenizer)
@@ -356,6 +374,20 @@ def test_patch_is_the_mean_over_pairs(family):
         assert float((result.values - whole.values).abs().max()) <= bound
         assert abs(result.clean_metric - whole.clean_metric) <= bound
         assert abs(result.corrupted_metric - whole.corrupted_metric) <= bound
+
+
+def test_patch_reports_progress_and_stops_when_cancelled(progress_checks):
+    model = corpus.load_model("embedded")
+    pairs = ioi_pairs(model, 8)
+    seq = pairs["clean"].shape[1]
+    probe = progress_checks.Probe()
+    watched = corpus.patch(model, pairs, "layer_input", ("layer", "seq"), chunk_size=3, progress=probe)
+    probe.check_complete("tok")
+    assert [s.done for s in probe.steps] == [3 * seq, 6 * seq, 8 * seq]  # chunks of 3, 3, 2 pairs
+    plain = corpus.patch(model, pairs, "layer_input", ("layer", "seq"), chunk_size=3, progress=False)
+    assert torch.equal(watched.values, plain.values)
+    progress_checks.check_cancelled(model, pairs["clean"], lambda progress: corpus.patch(
+        model, pairs, "layer_input", ("layer", "seq"), chunk_size=3, progress=progress))
 
 
 @pytest.mark.parametrize("order", ["reversed", "shuffled"])

@@ -322,6 +322,31 @@ def test_progress_bar_when_asked(tiny_arcee, prompts, capsys):
     assert capsys.readouterr().err == ""
 
 
+SWEEPS = {
+    "activation_patch": lambda model, clean, corrupted, progress: patching.activation_patch(
+        model, clean, corrupted, metric, "layer_input", batch_size=4, progress=progress),
+    "patch_attention_heads": lambda model, clean, corrupted, progress: patching.patch_attention_heads(
+        model, clean, corrupted, metric, batch_size=3, progress=progress),
+}
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_a_progress_callable_sees_every_patch(tiny_arcee, prompts, progress_checks, sweep):
+    clean, corrupted = prompts
+    probe = progress_checks.Probe()
+    result = SWEEPS[sweep](tiny_arcee, clean, corrupted, probe)
+    probe.check_complete("patch")
+    assert probe.steps[-1].total == result.values.numel() and len(probe.steps) > 2
+    assert torch.equal(result.values, SWEEPS[sweep](tiny_arcee, clean, corrupted, False).values)
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_cancelling_a_sweep_leaves_the_model_as_it_was(tiny_arcee, prompts, progress_checks, sweep):
+    clean, corrupted = prompts
+    progress_checks.check_cancelled(tiny_arcee, clean, lambda progress: SWEEPS[sweep](tiny_arcee, clean, corrupted,
+                                                                                      progress))
+
+
 def test_attribution_is_exact_where_the_metric_is_linear(tiny_arcee, prompts):
     clean, corrupted = prompts
     # The logits are linear in the final norm's output, and the metric is linear in the logits.
