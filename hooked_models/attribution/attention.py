@@ -34,6 +34,10 @@ def split_attention(prompt: Prompt, replica: Replica, graph: AttributionGraph, e
     `feature_rows`: each feature node's row among the prompt's active features."""
     model = prompt.model
     edges = edges.long().reshape(-1, 2)
+    if not len(edges):  # nothing kept through attention: empty loadings, no QK table
+        n_layers, n_heads = model.cfg.num_layers, model.cfg.n_heads
+        return replace(graph, loading_edges=edges, loading_heads=torch.zeros(0, n_layers, n_heads),
+                       loading_skips=torch.zeros(0, n_layers), qk_tables={})
     targets, target_index = edges[:, 0].unique(return_inverse=True)
     # The components: every source of an edge asked and every kept node that writes (for the QK tables).
     writers = torch.cat([edges[:, 1], kept[:graph.logit_start].nonzero().flatten()]).unique()

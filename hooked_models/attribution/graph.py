@@ -142,9 +142,11 @@ class AttributionGraph:
     def qk(self, layer: int, head: int, query_pos: int, key_pos: int, top: int = 20) -> QKTable:
         """The QK attribution of head `head` of layer `layer` at (query_pos, key_pos): the score split
         into (query-side, key-side) component pairs (`.top(top)` ranks them; printing shows `top`)."""
-        if not self.qk_tables:
+        if self.qk_tables is None:
             raise ValueError("this graph was built without its decomposition: no QK attribution; pass "
                              "head_loadings='pruned' (or 'all') and qk=... to attribute")
+        if not self.qk_tables:
+            raise ValueError("this graph has no QK attribution: qk=0, or nothing kept passes through attention")
         n_heads = 1 + max(h for _, h, _, _ in self.qk_tables)  # at least as many as some table names
         if self.loading_heads is not None:
             n_heads = self.loading_heads.shape[-1]
