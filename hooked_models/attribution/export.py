@@ -146,7 +146,7 @@ def read_state(path: "str | os.PathLike") -> dict:
                 logit_str_tokens=fields["logit_str_tokens"],
                 logit_positions=None if positions is None else torch.tensor(positions, dtype=torch.long),
                 loading_edges=numbers.get("loading_edges"), loading_heads=numbers.get("loading_heads"),
-                loading_skips=numbers.get("loading_skips"), qk_tables=qk or None)
+                loading_skips=numbers.get("loading_skips"), qk_tables=qk if "loading_edges" in numbers else None)
 
 
 def plot(graph, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None):
