@@ -41,26 +41,32 @@ class HeadLoadings:
     components; `gradients`: `target_gradients`' per-layer tensors."""
 
     def __init__(self, edges: Int[Tensor, "edge 2"], gradients: Sequence[Tensor], n_heads: int,
-                 dtype=torch.float32, edges_per_product: int = 256):
-        self.edges, self.gradients = edges, list(gradients)
-        self.values = torch.zeros(len(edges), len(self.gradients), n_heads, dtype=dtype)
-        self.edges_per_product = edges_per_product
+                 dtype=torch.float32):
+        self.edges, self.n_layers = edges, len(gradients)
+        # Each layer's gradients as [head target (seq head_dim)]: one matrix product per head and chunk.
+        self.gradients = [g.permute(2, 0, 1, 3).reshape(n_heads, g.shape[0], -1).contiguous() for g in gradients]
+        self.values = torch.zeros(len(edges), self.n_layers, n_heads, dtype=dtype)
 
     def name(self, layer: int) -> str:
         return f"layers.{layer}.self_attn.attention_head_outputs"
 
     def reads(self) -> list[str]:
-        return [self.name(layer) for layer in range(len(self.gradients))]
+        return [self.name(layer) for layer in range(self.n_layers)]
 
     def read(self, start: int, values: dict[str, Tensor]) -> None:
-        """One chunk of sources: `values[name]` [n seq head head_dim], components start ... start + n."""
+        """One chunk of sources: `values[name]` [n seq head head_dim], components start ... start + n. Every
+        (target, chunk source) pair in one product per head ([head target n], small), the kept edges read off
+        it: no per-edge copy of [seq head head_dim]."""
         n = next(iter(values.values())).shape[0]
         at = ((self.edges[:, 1] >= start) & (self.edges[:, 1] < start + n)).nonzero().flatten()
-        for part in at.split(self.edges_per_product):
-            targets, sources = self.edges[part, 0], self.edges[part, 1] - start
-            for layer, g in enumerate(self.gradients):
-                z = values[self.name(layer)][sources].to(g.dtype)
-                self.values[part, layer] = torch.einsum("eqhd,eqhd->eh", g[targets], z).to(self.values.dtype)
+        if not at.numel():
+            return
+        targets, sources = self.edges[at, 0], self.edges[at, 1] - start
+        for layer, g in enumerate(self.gradients):
+            z = values[self.name(layer)].to(g.dtype)  # [n seq head head_dim]
+            z = z.permute(2, 1, 3, 0).reshape(g.shape[0], -1, n)  # [head (seq head_dim) n]
+            pairs = torch.bmm(g, z)  # [head target n]
+            self.values[at, layer] = pairs[:, targets, sources].T.to(self.values.dtype)
 
     def skips(self, weights: Float[Tensor, " edge"]) -> Float[Tensor, "edge layer"]:
         """The part of each edge that skips each layer's attention: the edge less its heads' parts."""

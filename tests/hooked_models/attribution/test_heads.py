@@ -72,8 +72,9 @@ def test_the_pruned_graphs_loadings_are_the_same_numbers_for_its_edges(family_se
     assert pruned.loading_edges.tolist() == kept.nonzero().tolist()
     assert pruned.loading_heads.shape == (int(kept.sum()), graph_all.n_layers, model.cfg.n_heads)
     t, s = pruned.loading_edges.T
-    torch.testing.assert_close(pruned.loading_heads, graph_all.head_loadings[t, s], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(pruned.loading_skips, graph_all.attention_skips[t, s], rtol=1e-5, atol=1e-7)
+    rounding = 1e-6 * float(graph_all.adjacency_matrix.abs().max())  # float32, summed in another order
+    torch.testing.assert_close(pruned.loading_heads, graph_all.head_loadings[t, s], rtol=1e-5, atol=rounding)
+    torch.testing.assert_close(pruned.loading_skips, graph_all.attention_skips[t, s], rtol=1e-5, atol=rounding)
     edge = pruned.edge_loadings(int(t[0]), int(s[0]))
     assert edge is not None and torch.equal(edge[0], pruned.loading_heads[0])
     assert pruned.edge_loadings(0, 0) is None  # a feature has no edge from itself
