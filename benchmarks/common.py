@@ -158,6 +158,28 @@ def report(title: str, medians: dict[str, tuple[float, float]], baseline: str, t
               f"wall {wall * 1000:9.1f} ms  {wall / base_wall:5.3f}x")
 
 
+def peak_anon_during(fn: Callable[[], object]) -> tuple[int, float]:
+    """(the peak RssAnon while `fn` runs, sampled every 5 ms; its CPU seconds)."""
+    import threading
+
+    peak, running = [memory("RssAnon")], True
+
+    def sample():
+        while running:
+            peak[0] = max(peak[0], memory("RssAnon"))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    began = time.process_time()
+    try:
+        fn()
+    finally:
+        running = False
+        sampler.join()
+    return peak[0], time.process_time() - began
+
+
 def memory(field: str) -> int:
     """Bytes of /proc/self/status's `field`: VmRSS now, VmHWM the peak of this process's own memory
     (getrusage's ru_maxrss would carry a parent's peak across the exec)."""

@@ -1,14 +1,16 @@
-"""The READMEs' benchmark figures, rendered from the benchmarks' results files: one source for every figure.
+"""The benchmark figures of the READMEs and the documentation's pages, rendered from the benchmarks' results
+files: one source for every figure.
 
-    python benchmarks/figures.py            # rewrite the generated parts of README.md and benchmarks/README.md
+    python benchmarks/figures.py            # rewrite the generated parts of README.md, benchmarks/README.md
+                                            # and every docs/**/*.md page that holds one
     python benchmarks/figures.py --check    # exit 1, naming the part, where one differs from its rendering
 
-Each benchmark writes its figures to benchmarks/results/<name>.json (benchmarks/common.py's `Results`:
-the command, the date, the machine's load before and after, the medians). Here each generated part of a
-README is a function of those files; in the README it sits between `<!-- figures: NAME -->` and
-`<!-- /figures -->` (a table, a sentence, or a single figure inside a sentence), so a summary row and its
-table are two renderings of one number and cannot drift apart. tests/test_benchmark_figures.py checks that
-every part is what its results render to.
+Each benchmark writes its figures to benchmarks/results/<name>.json (benchmarks/common.py's `Results`: the
+command, the date, the machine's load before and after, the medians). Here each generated part of a document
+is a function of those files; in the document it sits between `<!-- figures: NAME -->` and `<!-- /figures -->`
+(a table, a sentence, or a single figure inside a sentence; the site's build drops the markers,
+docs/hooks.py), so a summary row and its table are two renderings of one number and cannot drift apart.
+tests/test_benchmark_figures.py checks that every part is what its results render to.
 """
 
 import argparse
@@ -20,8 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "docs" / "guide" / "attribution-at-scale.md")
 PART = re.compile(r"<!-- figures: (?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures -->", re.S)
+# The documents holding generated parts: the two READMEs, and each page of the site that holds one.
+DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+             *(page for page in sorted((ROOT / "docs").rglob("*.md")) if PART.search(page.read_text())))
 
 
 def load(name: str) -> dict:
@@ -148,7 +152,7 @@ def all_features_16() -> dict:
 
 # ----------------------------------------------------------------------------------------- parts
 def speed_table() -> str:
-    """README.md's Speed and memory table."""
+    """docs/guide/speed-and-memory.md's table."""
     fw, small = forward_ratios(), forward_ratios("forward_overhead")
     s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
@@ -464,7 +468,7 @@ def transcoder_training() -> dict:
 
 
 def transcoder_memory() -> str:
-    """README.md's Transcoders bullet: the 10x / 1x peaks."""
+    """docs/guide/transcoders.md's Training bullet: the 10x / 1x peaks."""
     t = transcoder_training()
     return f"{t['anon']:.2f}x the peak anonymous memory; the peak RSS, {t['rss']:.2f}x"
 
@@ -510,7 +514,92 @@ def attribution_scale_table() -> str:
     return key_value_table(rows, r)
 
 
+def explorer_load_table() -> str:
+    r = load("explorer_load")
+    f = r["figures"]
+    rows = [(f"interactive requests ({f['requests']} from {f['clients']} clients) while a job runs: p50 / p90 / p99 / max",
+             " / ".join(ms(f[k]) for k in ("p50_s", "p90_s", "p99_s", "max_s"))),
+            ("the job's state when the last had answered", f["job_state_after"]),
+            ("the job's batches meanwhile (it steps aside while a view runs)", f"{f['batches_during']}"),
+            ("DELETE /api/jobs/{id} to the job's state `cancelled`", ms(f["cancel_s"])),
+            ("SIGTERM / SIGINT to the command line's exit, three EAP-IG jobs queued",
+             f"{f['sigterm_stop_s']:.2f} s / {f['sigint_stop_s']:.2f} s")]
+    return key_value_table(rows, r)
+
+
+def feature_statistics_text() -> str:
+    """The one-pass statistics against a bare encode pass and `dashboard` feature by feature, and its memory."""
+    r = load("features")
+    f = r["figures"]
+    lines = ["| transcoders | tokens | features | `statistics` CPU s | of which logits | bare encode CPU s | ratio "
+             "(target <= 1.3x) | ratio without the logits | `dashboard` per feature CPU s | all dashboards / "
+             "`statistics` |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, what in (("embedded", "embedded Arcee's shipped: 2 layers x 256 TopK"),
+                      ("wide", "1 layer x 8,192 TopK (k=64), random 8 x 1024 Arcee")):
+        g = f[key]
+        lines.append(f"| {what} | {g['tokens']:,} | {g['features']:,} | {g['statistics_cpu_s']:.2f} | "
+                     f"{g['logits_cpu_s']:.2f} | {g['bare_encode_cpu_s']:.2f} | **{g['ratio']:.2f}x** | "
+                     f"{g['pass_ratio']:.2f}x | {g['dashboard_cpu_s_each']:.3f} | "
+                     f"{g['dashboards_over_statistics']:.0f}x |")
+    x1, x10 = f["memory_x1"], f["memory_x10"]
+    lines.append("")
+    lines.append(f"Peak anonymous memory above the loaded model over {x1['tokens']:,} and {x10['tokens']:,} tokens: "
+                 f"{(x1['peak_anon_bytes'] - x1['anon_before_bytes']) / 1e6:.0f} MB and "
+                 f"{(x10['peak_anon_bytes'] - x10['anon_before_bytes']) / 1e6:.0f} MB "
+                 f"(**{f['peak_anon_increase_10x_over_1x']:.2f}x** for 10x the corpus). Measured {when(r)}; one thread, "
+                 f"median of {f['embedded']['rounds']} interleaved rounds; the dashboards timed for "
+                 f"{f['embedded']['dashboards_timed']} features and scaled to all.")
+    return "\n".join(lines)
+
+
+def which_tool_costs() -> str:
+    """docs/which-tool.md's costs: each question's tool on the embedded models and at (or towards) AFM-4.5B's scale."""
+    arcee, alpha, s8 = sweeps("patching_arcee"), sweeps("patching_alpha-er"), sweeps("patching_size_8")
+    c, co, afm, a16 = circuits(), corpus(), afm_attribution(), all_features_16()
+    shipped = {(run["model"], run["seq"]): run for run in attribution_runs("embedded")}
+    afm_load = load("load_4_5b")["figures"]
+    li, ho = "layer_input", "attention_head_outputs"
+    pairs = load("patching_arcee")["figures"]["HookedArcee 2 x 64"]["pairs"]
+    forward = (f"one AFM-4.5B-shape forward (bf16, 1 x 16 tokens, CPU) takes {afm_load['forward_s']:.0f} s, "
+               f"loading it {afm_load['load_s']:.0f} s at {load_ratio():.2f}x the checkpoint's size in memory")
+    rows = [
+        ("What does the model predict, layer by layer?", "one cached forward (not timed alone)",
+         f"8 x 1024 Arcee, 4 x 256 tokens, `run_with_cache` of every hook: "
+         f"{cpu(load('forward'), 'run_with_cache', 'HookedArcee.run_with_cache'):.1f} CPU s; {forward}"),
+        ("Where does the answer live?",
+         f"`layer_input` by layer x position, {pairs} pairs: {ms(arcee[li]['ours'])} (Arcee), "
+         f"{ms(alpha[li]['ours'])} (alpha-er)",
+         f"8 x 1024 Arcee, 4 pairs x 14 positions: {s8[li]['ours']:.1f} CPU s ({s8[li]['speed_up']:.1f}x faster "
+         f"than one forward per patch); AFM-4.5B not measured (its forward: the row above)"),
+        ("Which heads?",
+         f"heads by layer x head, {pairs} pairs: {ms(arcee[ho]['ours'])} (Arcee), {ms(alpha[ho]['ours'])} (alpha-er)",
+         f"8 x 1024 Arcee: {s8[ho]['ours']:.1f} CPU s ({s8[ho]['speed_up']:.1f}x faster than one forward per patch)"),
+        ("Which edges?",
+         f"EAP-IG over every edge, 16 pairs: {ms(c['arcee']['ig'])} ({c['arcee']['edges']} edges, Arcee), "
+         f"{ms(c['alpha_er']['ig'])} ({c['alpha_er']['edges']}, alpha-er); `edge_patch` of every edge "
+         f"{ms(c['arcee']['exact'])} and {c['alpha_er']['exact']:.1f} s",
+         f"4-layer, 8-head Arcee ({c['mha']['edges']} edges): EAP-IG {c['mha']['ig']:.2f} s, `edge_patch` of every "
+         f"edge {c['mha']['exact']:.0f} s; AFM-4.5B not measured"),
+        ("Which features?",
+         f"`attribute`, 16 tokens, shipped transcoders: {shipped[('embedded arcee', 16)]['cpu_s']:.2f} CPU s "
+         f"({shipped[('embedded arcee', 16)]['nodes']} nodes, Arcee), {shipped[('embedded alpha_er', 16)]['cpu_s']:.2f} "
+         f"s ({shipped[('embedded alpha_er', 16)]['nodes']}, alpha-er)",
+         f"AFM-4.5B's shape, 36 transcoders of {afm['d_transcoder']:,} features, {afm['seq']} tokens, "
+         f"{afm['features']} features computed: {afm['cpu_s']:.0f} CPU s, {afm['wall_s'] / 60:.1f} min wall, peak "
+         f"{afm['ratio']:.2f}x checkpoint + transcoders (8 x 1024 Arcee, every feature of 16 tokens: "
+         f"{a16['cpu_s']:.1f} CPU s)"),
+        ("What does this feature do?",
+         f"a harvest first: {co['tokens'] / co['wall']['local']:,.0f} tokens/s on a 4-layer, 256-wide Arcee "
+         f"(wall clock), memory flat in the corpus ({co['memory']:.2f}x for 10x); the dashboard reads the harvest",
+         f"AFM-4.5B not measured; `engine=\"ray\"` spreads the harvest over workers ({co['ray1']:.2f}x local's time "
+         f"with 1 worker)"),
+    ]
+    lines = ["| question | on the embedded models | at scale |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {q} | {small} | {large} |" for q, small, large in rows])
+
+
 PARTS = {
+    "features": feature_statistics_text,
     "speed-table": speed_table,
     "speed-measured": measured,
     "summary": summary_table,
@@ -532,6 +621,10 @@ PARTS = {
     "circuit-tracer-sentence": circuit_tracer_sentence,
     "attribution-files": attribution_files_table,
     "attribution-scale": attribution_scale_table,
+    "explorer-load": explorer_load_table,
+
+
+    "which-tool": which_tool_costs,
 }
 
 

@@ -16,37 +16,22 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, memory  # noqa: E402
+from benchmarks.common import Results, memory, peak_anon_during  # noqa: E402
 
 
 def child(harvest: str, steps: int) -> None:
     from hooked_models.transcoders import TrainingConfig, train_transcoders
 
     torch.set_num_threads(1)
-    peak_anon, running = [memory("RssAnon")], True
-
-    def sample():
-        while running:
-            peak_anon[0] = max(peak_anon[0], memory("RssAnon"))
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    began = time.process_time()
-    train_transcoders(harvest, config=TrainingConfig(d_transcoder=256, activation="topk", k=16, steps=steps),
-                      progress=False)
-    cpu = time.process_time() - began
-    running = False
-    sampler.join()
-    print(json.dumps({"peak_anon_bytes": peak_anon[0], "peak_rss_bytes": memory("VmHWM"),
+    peak, cpu = peak_anon_during(lambda: train_transcoders(
+        harvest, config=TrainingConfig(d_transcoder=256, activation="topk", k=16, steps=steps), progress=False))
+    print(json.dumps({"peak_anon_bytes": peak, "peak_rss_bytes": memory("VmHWM"),
                       "file_rss_bytes": memory("RssFile"), "cpu_s": round(cpu, 2)}))
 
 

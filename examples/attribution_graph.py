@@ -53,7 +53,8 @@ def describe(graph, i: int, model) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=FAMILIES, default="arcee")
+    # alpha-er or alpha_er: either spelling, as everywhere a family is named
+    parser.add_argument("--family", type=lambda name: name.replace("-", "_"), choices=FAMILIES, default="arcee")
     parser.add_argument("--train", type=int, default=0, metavar="STEPS",
                         help="train transcoders for this many steps instead of loading the shipped ones")
     parser.add_argument("--prompt", default=PROMPT)

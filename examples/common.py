@@ -30,7 +30,8 @@ def arguments(description: str, name: str, families: tuple[str, ...] = FAMILIES)
                         help=f"'embedded' (the shipped IOI model) or a checkpoint: {kinds}"
                              + ("; the family is detected" if len(families) > 1 else ""))
     if len(families) > 1:
-        parser.add_argument("--family", choices=families, default=families[0],
+        # alpha-er or alpha_er: either spelling, as everywhere a family is named
+        parser.add_argument("--family", type=lambda name: name.replace("_", "-"), choices=families, default=families[0],
                             help="which embedded model --model embedded means (default: %(default)s)")
     parser.set_defaults(family=families[0], families=families, figure=name)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

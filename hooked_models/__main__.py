@@ -11,6 +11,7 @@ library (torch, TransformerLens) is imported only once the arguments are parsed,
 """
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -172,15 +173,50 @@ def _explore_command(commands) -> None:
 
 
 def _explore(args) -> int:
+    """Check what needs no model (the data directories, the model's path, the port: bound now, so that
+    nothing else takes it), then load the model, announce the URL and serve until SIGINT or SIGTERM."""
+    for directory in args.data:
+        if not Path(directory).is_dir():
+            raise ValueError(f"--data {directory}: no such directory")
+    if args.model != "embedded" and _looks_like_path(args.model) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
+    listening = _listen(args.host, args.port)
     from hooked_models.explorer import serve  # lazily: --help and the other commands need no web server
     from hooked_models.explorer.server import load_sae
     from hooked_models.families import load_model
 
-    model = load_model(args.model, args.family, args.dtype)
-    saes = {Path(path).name: load_sae(path, model) for path in args.sae}
-    print(f"explorer on http://{args.host}:{args.port} ({type(model).__name__}); Ctrl-C stops it")
-    serve(model, args.data, saes, host=args.host, port=args.port)
+    try:
+        model = load_model(args.model, args.family, args.dtype)
+        saes = {Path(path).name: load_sae(path, model) for path in args.sae}
+    except BaseException:
+        listening.close()
+        raise
+    print(f"explorer on http://{args.host}:{args.port} ({type(model).__name__}); Ctrl-C stops it", flush=True)
+    try:
+        serve(model, args.data, saes, host=args.host, port=args.port, sockets=[listening])
+    except KeyboardInterrupt:  # SIGINT (SIGTERM ends the process by its default action once uvicorn has stopped)
+        print("\nstopped: the jobs running or queued were cancelled", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # A job may still be inside one torch operation on its (daemon) thread; the interpreter's own
+        # shutdown would abort under it, so the process ends here, with nothing left to save.
+        os._exit(130)
     return 0
+
+
+def _looks_like_path(model: str) -> bool:
+    """A --model that can only be a path (a Hub id is "owner/name": never absolute, never starting with a dot)."""
+    return model.startswith(("/", ".", "~")) or Path(model).suffix in (".pt", ".safetensors", ".bin")
+
+
+def _listen(host: str, port: int):
+    """A socket bound to host:port, or a ValueError in the command line's words if it cannot be."""
+    import socket
+
+    try:
+        return socket.create_server((host, port))
+    except OSError as error:
+        reason = "is in use" if error.errno in (98, 48, 10048) else f"cannot be bound ({error.strerror})"
+        raise ValueError(f"--port {port} on {host} {reason}; pick another with --port") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
-"""Every benchmark figure the READMEs quote comes from the results file its benchmark wrote
-(benchmarks/results/<name>.json): each generated part of README.md and benchmarks/README.md equals what
-benchmarks/figures.py renders from those files, every part is shown and every file is read, and a changed
-result changes every place that quotes it (so a summary row cannot drift from its table)."""
+"""Every benchmark figure the READMEs and the site's pages quote comes from the results file its benchmark wrote
+(benchmarks/results/<name>.json): each generated part of README.md, benchmarks/README.md and every
+docs/**/*.md page holding one equals what benchmarks/figures.py renders from those files, every part is shown
+and every file is read, and a changed result changes every place that quotes it (so a summary row cannot drift
+from its table)."""
 
 import json
 import re
@@ -52,7 +53,7 @@ def test_each_results_file_says_how_and_when_it_was_measured(path):
 
 
 def test_a_changed_result_changes_the_summary_and_its_table(tmp_path, monkeypatch):
-    """Move one median in a copy of the results: the summary row, the detailed table and the main README's
+    """Move one median in a copy of the results: the summary row, the detailed table and the circuits page's
     sentence all follow (they are one number rendered three times)."""
     shutil.copytree(figures.RESULTS, tmp_path / "results")
     path = tmp_path / "results" / "circuits.json"

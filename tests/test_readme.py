@@ -1,9 +1,9 @@
-"""The README's snippets run as written.
+"""The snippets of README.md and of the documentation site's pages (docs/**/*.md) run as written.
 
-Every ```python block of README.md runs, in order, as a user who pasted it would run it: in a fresh
+Every ```python block of each document runs, in order, as a user who pasted it would run it: in a fresh
 namespace, with a fresh temporary directory as the working directory (blocks write out/..., never into
-the repository). A failure names the block's README line and shows the traceback in README.md's own
-line numbers. A block that imports an optional tool that is not installed here is skipped with the
+the repository). A failure names the document and the block's line, and shows the traceback in that
+document's own line numbers. A block that imports an optional tool that is not installed here is skipped with the
 reason: SAELens (the `sae` extra; CI's second environment runs it) or a TransformerLens module that only
 4.x ships.
 
@@ -28,16 +28,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The front page and every page of the site, in a fixed order.
+DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 # Optional tools a block may import; anything else it imports must be installed.
 OPTIONAL = {"sae_lens": "SAELens is not installed (the `sae` extra; CI's SAE environment runs this block)"}
 # The programs whose command lines are checked; `python -m pytest` takes pytest's own options.
 UNCHECKED = ("-m pytest",)
 
 
-def fenced_blocks(language: str) -> list[tuple[int, str]]:
+def name(document: Path) -> str:
+    return str(document.relative_to(ROOT))
+
+
+def fenced_blocks(document: Path, language: str) -> list[tuple[int, str]]:
     """(the line number of the block's first line, its text) for each ```language block, in order."""
     blocks, current, start = [], None, 0
-    for number, line in enumerate(README.read_text().splitlines(), 1):
+    for number, line in enumerate(document.read_text().splitlines(), 1):
         if current is None and line.strip() == f"```{language}":
             current, start = [], number + 1
         elif current is not None and line.strip() == "```":
@@ -52,7 +58,7 @@ def first_line(source: str) -> str:
     return next(line for line in source.splitlines() if line.strip())
 
 
-PYTHON_BLOCKS = fenced_blocks("python")
+PYTHON_BLOCKS = [(name(d), start, source) for d in DOCUMENTS for start, source in fenced_blocks(d, "python")]
 
 
 def missing_optional_tool(source: str) -> str | None:
@@ -72,20 +78,23 @@ def missing_optional_tool(source: str) -> str | None:
     return None
 
 
-def test_the_readme_has_python_blocks_to_run():
-    assert len(PYTHON_BLOCKS) >= 8, PYTHON_BLOCKS  # a change to the fences must not silently test nothing
+def test_the_documents_have_python_blocks_to_run():
+    # A change to the fences, or a page moved out of docs/, must not silently test nothing.
+    assert any(document == "README.md" for document, _, _ in PYTHON_BLOCKS), "README.md has no python block"
+    assert len({document for document, _, _ in PYTHON_BLOCKS}) >= 10 and len(PYTHON_BLOCKS) >= 12, PYTHON_BLOCKS
 
 
-@pytest.mark.parametrize("start,source", PYTHON_BLOCKS, ids=[f"line{start}" for start, _ in PYTHON_BLOCKS])
-def test_python_block_runs_as_written(start, source, tmp_path, monkeypatch):
+@pytest.mark.parametrize("document,start,source", PYTHON_BLOCKS,
+                         ids=[f"{document}:line{start}" for document, start, _ in PYTHON_BLOCKS])
+def test_python_block_runs_as_written(document, start, source, tmp_path, monkeypatch):
     reason = missing_optional_tool(source)
     if reason:
         pytest.skip(reason)
     repository = set(os.listdir(ROOT))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    # Padded to its place in README.md, so a traceback points at the README's own lines.
-    code = compile("\n" * (start - 1) + source, str(README), "exec")
+    # Padded to its place in the document, so a traceback points at the document's own lines.
+    code = compile("\n" * (start - 1) + source, str(ROOT / document), "exec")
     failure = None
     try:
         exec(code, {"__name__": "__main__"})
@@ -96,16 +105,16 @@ def test_python_block_runs_as_written(start, source, tmp_path, monkeypatch):
 
         plt.close("all")
     if failure:
-        pytest.fail(f"README.md line {start}, the block that starts {first_line(source)!r}, raised:\n{failure}",
+        pytest.fail(f"{document} line {start}, the block that starts {first_line(source)!r}, raised:\n{failure}",
                     pytrace=False)
     assert set(os.listdir(ROOT)) == repository, "the block wrote into the repository"
 
 
-def python_command_lines() -> list[tuple[int, list[str]]]:
-    """(README line, argv after `python`) of every python command in the ```bash blocks: continued
+def python_command_lines(document: Path) -> list[tuple[int, list[str]]]:
+    """(line, argv after `python`) of every python command in the document's ```bash blocks: continued
     lines joined, comments dropped, `&&` chains split, leading VAR=value assignments dropped."""
     commands = []
-    for start, block in fenced_blocks("bash"):
+    for start, block in fenced_blocks(document, "bash"):
         logical, first = "", start
         for number, line in enumerate(block.splitlines(), start):
             if not logical:
@@ -124,7 +133,7 @@ def python_command_lines() -> list[tuple[int, list[str]]]:
     return commands
 
 
-COMMANDS = [(line, argv) for line, argv in python_command_lines()
+COMMANDS = [(name(document), line, argv) for document in DOCUMENTS for line, argv in python_command_lines(document)
             if not any(" ".join(argv).startswith(form) for form in UNCHECKED)]
 
 
@@ -132,14 +141,15 @@ class Parsed(Exception):
     """Raised by the patched `parse_args` once the program's parser accepted its argv."""
 
 
-def test_the_readme_shows_the_command_lines_checked_here():
-    shown = {" ".join(argv[:2]) if argv[0] == "-m" else argv[0] for _, argv in COMMANDS}
+def test_the_documents_show_the_command_lines_checked_here():
+    shown = {" ".join(argv[:2]) if argv[0] == "-m" else argv[0] for _, _, argv in COMMANDS}
     assert {"-m hooked_models", "examples/activation_patching.py", "examples/train_sae.py"} <= shown, shown
     assert any(program.startswith("benchmarks/") for program in shown), shown
 
 
-@pytest.mark.parametrize("line,argv", COMMANDS, ids=[f"line{line}-{' '.join(argv)[:60]}" for line, argv in COMMANDS])
-def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("document,line,argv", COMMANDS,
+                         ids=[f"{document}:line{line}-{' '.join(argv)[:60]}" for document, line, argv in COMMANDS])
+def test_bash_command_line_parses(document, line, argv, tmp_path, monkeypatch, capsys):
     original = argparse.ArgumentParser.parse_args
 
     def parse_only(self, args=None, namespace=None):
@@ -149,7 +159,7 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
     if argv[0] == "-m":
         # Only the package's command line: another module may not parse with argparse, and would run.
         assert argv[1] == "hooked_models", \
-            f"README.md line {line}: {command}: teach tests/test_readme.py to check this program"
+            f"{document} line {line}: {command}: teach tests/test_readme.py to check this program"
         program, args = argv[1], argv[2:]
         # What `python -m hooked_models` runs; its main() reads sys.argv (runpy would warn that the corpus
         # tests imported hooked_models.__main__ already).
@@ -157,7 +167,7 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
     else:
         script = ROOT / argv[0]
         assert argv[0].split("/")[0] in ("examples", "benchmarks") and script.is_file(), \
-            f"README.md line {line}: {command}: no such script in examples/ or benchmarks/"
+            f"{document} line {line}: {command}: no such script in examples/ or benchmarks/"
         program, args = str(script), argv[1:]
         run = lambda: runpy.run_path(program, run_name="__main__")  # noqa: E731
     # Scripts edit sys.path and os.environ at import (offline flags, their folder first): restored after.
@@ -172,11 +182,11 @@ def test_bash_command_line_parses(line, argv, tmp_path, monkeypatch, capsys):
     except Parsed:
         return
     except SystemExit as exit:
-        pytest.fail(f"README.md line {line}: {command}: the parser refused it (exit {exit.code}):\n"
+        pytest.fail(f"{document} line {line}: {command}: the parser refused it (exit {exit.code}):\n"
                     f"{capsys.readouterr().err}", pytrace=False)
     finally:
         for name in set(os.environ) - set(saved_environ):
             del os.environ[name]
         os.environ.update(saved_environ)
-    pytest.fail(f"README.md line {line}: {command} ended without parsing its arguments with argparse",
+    pytest.fail(f"{document} line {line}: {command} ended without parsing its arguments with argparse",
                 pytrace=False)

@@ -16,12 +16,14 @@ from hooked_models.attribution.qk import QKTable
 FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
 
 
-def write_json(graph, path: "str | os.PathLike", slug: str | None = None) -> Path:
+def write_json(graph, path: "str | os.PathLike", slug: str | None = None, features=None, labels=None) -> Path:
     """Write a pruned graph (`node_mask` and `edge_mask` set) in circuit-tracer's graph-file schema: the
     kept nodes and edges (what the viewer draws) and the QK tables (`qk_attributions`, a key the viewer
-    ignores; the explorer gives each link its per-head split from the side file). What `from_json` needs for the rest (the whole
-    adjacency, the loadings, the QK vectors) goes beside it, in `<stem>.tensors.safetensors`, its name
-    under `hooked_models`; the JSON itself grows with the kept graph only."""
+    ignores; the explorer gives each link its per-head split from the side file). What `from_json` needs
+    for the rest (the whole adjacency, the loadings, the QK vectors) goes beside it, in
+    `<stem>.tensors.safetensors`, its name under `hooked_models`; the JSON itself grows with the kept graph
+    only. With `features` (a statistics result), its features' files beside it and its nodes labelled
+    (`features.circuit_tracer_files`)."""
     path = Path(path)
     slug = slug or path.stem
     nodes = {i: json_node(graph, i) for i in graph.node_mask.nonzero().flatten().tolist()}
@@ -43,6 +45,10 @@ def write_json(graph, path: "str | os.PathLike", slug: str | None = None) -> Pat
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors(graph), str(side))
+    if features is not None:
+        from hooked_models.features.circuit_tracer_files import write_beside_graph
+
+        data = write_beside_graph(data, path, features, labels)
     path.write_text(json.dumps(data))
     return path
 
@@ -149,47 +155,69 @@ def read_state(path: "str | os.PathLike") -> dict:
                 loading_skips=numbers.get("loading_skips"), qk_tables=qk if "loading_edges" in numbers else None)
 
 
+# Links by sign, in RdBu's ends (ColorBrewer, as matplotlib ships it; the explorer's graph view uses the same).
+EDGE_COLOURS = {"positive": "#b2182b", "negative": "#2166ac"}
+ACROSS = 3  # nodes side by side in a (layer, position) cell; more stack up
+
+
 def plot(graph, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None):
     """Draw a pruned graph (see `AttributionGraph.plot`)."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     kept = graph.node_mask.nonzero().flatten().tolist()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * graph.n_pos + 1.5), 0.9 * (graph.n_layers + 2) + 1.5))
-    else:
-        fig = ax.figure
-    # Nodes sharing a (row, position) cell are spread across it.
     cells: dict[tuple, list[int]] = {}
     for i in kept:
         layer, pos = graph.node_position(i)
         cells.setdefault((-1 if layer is None else layer, pos), []).append(i)
+    rows = graph.n_layers + 2
+    # A cell's nodes: up to ACROSS side by side, the rest stacked; each row as tall as its fullest cell.
+    levels = [1] * rows
+    for (row, _), members in cells.items():
+        levels[row + 1] = max(levels[row + 1], -(-len(members) // ACROSS))
+    step = 0.3  # a stacked node's height, in rows
+    bottom = [sum(max(1.0, step * (n + 1)) for n in levels[:r]) for r in range(rows + 1)]
     xy = {}
     for (row, pos), members in cells.items():
+        r = row + 1
+        centre = bottom[r] + (bottom[r + 1] - bottom[r]) / 2
         for k, i in enumerate(members):
-            xy[i] = (pos + (k + 1) / (len(members) + 1) - 0.5, row + 1)
+            column, level = k % ACROSS, k // ACROSS
+            used = min(ACROSS, len(members) - level * ACROSS)
+            xy[i] = (pos - 0.5 + (column + 1) / (used + 1), centre + (level - (levels[r] - 1) / 2) * step)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * graph.n_pos + 1.5), 0.9 * bottom[-1] + 1.8))
+    else:
+        fig = ax.figure
     targets, sources = graph.edge_mask.nonzero(as_tuple=True)
     weights = graph.adjacency_matrix[targets, sources]
     biggest = float(weights.abs().max()) if weights.numel() else 1.0
     for t, s, w in zip(targets.tolist(), sources.tolist(), weights.tolist()):
         if s in xy and t in xy:
-            ax.plot(*zip(xy[s], xy[t]), color="tab:blue" if w > 0 else "tab:red",
+            ax.plot(*zip(xy[s], xy[t]), color=EDGE_COLOURS["positive" if w > 0 else "negative"],
                     linewidth=0.3 + 4 * abs(w) / biggest, alpha=0.6, zorder=1)
-    colours = {"feature": "tab:orange", "error": "tab:gray", "embedding": "tab:green", "logit": "tab:purple"}
+    colours = {"feature": "#f59e0b", "error": "#9ca3af", "embedding": "#16a34a", "logit": "#111827"}
     for kind, colour in colours.items():
         points = [xy[i] for i in kept if graph.node_kind(i) == kind]
         if points:
-            ax.scatter(*zip(*points), s=60, color=colour, edgecolor="black", zorder=2, label=kind)
-    crowded = {i for members in cells.values() if len(members) > 4 for i in members}
-    for i in kept:  # feature indices where they fit, and the logits' tokens
-        if graph.node_kind(i) == "logit" or (graph.node_kind(i) == "feature" and i not in crowded):
-            label = (str(int(graph.active_features[i, 2])) if graph.node_kind(i) == "feature"
-                     else logit_label(graph, i - graph.logit_start))
+            ax.scatter(*zip(*points), s=60, color=colour, edgecolor="black", zorder=2, label=kind,
+                       marker="s" if kind == "error" else "o")
+    crowded = {i for members in cells.values() if len(members) > ACROSS for i in members}
+    for i in kept:  # each node by what it is, where it fits: F159 (a feature of its row's layer), logit 'Mary'
+        kind = graph.node_kind(i)
+        if kind == "logit" or (kind == "feature" and i not in crowded):
+            label = (f"F{int(graph.active_features[i, 2])}" if kind == "feature"
+                     else f"logit {logit_label(graph, i - graph.logit_start)}")
             ax.annotate(label, xy[i], textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     ax.set_xticks(range(graph.n_pos), graph.str_tokens_or_ids(), rotation=45, ha="right")
-    ax.set_yticks(range(graph.n_layers + 2), ["emb", *[f"L{l}" for l in range(graph.n_layers)], "logits"])
+    centres = [(bottom[r] + bottom[r + 1]) / 2 for r in range(rows)]
+    ax.set_yticks(centres, ["emb", *[f"L{l}" for l in range(graph.n_layers)], "logits"])
     ax.set_xlim(-0.7, graph.n_pos - 0.3)
-    ax.set_ylim(-0.5, graph.n_layers + 1.6)
-    ax.legend(loc="upper left", fontsize=7, ncol=4)
+    ax.set_ylim(bottom[0] - 0.1, bottom[-1] + 0.6)
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], color=EDGE_COLOURS["positive"], lw=2, label="positive edge (raises its target)"),
+                Line2D([], [], color=EDGE_COLOURS["negative"], lw=2, label="negative edge (lowers it)")]
+    ax.legend(handles=handles, loc="upper left", fontsize=7, ncol=3)
     ax.set_title(title or f"attribution graph: {len(kept)} nodes, {int(graph.edge_mask.sum())} edges")
     fig.tight_layout()
     if path is not None:

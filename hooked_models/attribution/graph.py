@@ -219,13 +219,17 @@ class AttributionGraph:
         return float(replacement), float(completeness)
 
     def to_json(self, path: "str | os.PathLike", slug: str | None = None, node_threshold: float = 0.8,
-                edge_threshold: float = 0.98):
+                edge_threshold: float = 0.98, features=None, labels=None):
         """Write the pruned graph (pruned here with the thresholds unless `prune` was called) in
         circuit-tracer's graph-file schema (`frontend/graph_models.py`), which its local viewer and
         Neuronpedia open. Node ids are circuit-tracer's; the file also carries, under `hooked_models`,
-        what `from_json` needs to rebuild this graph with every node and edge. Returns the path."""
+        what `from_json` needs to rebuild this graph with every node and edge. Returns the path.
+
+        features: a `features.statistics` result of the graph's transcoders: its nodes' feature files are
+        written beside the graph where circuit-tracer's viewer reads them, each node labelled (`clerp`:
+        the heuristic label, or the user's from `labels`, a JSON or CSV of layer, feature, label)."""
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
-        return export.write_json(pruned, path, slug)
+        return export.write_json(pruned, path, slug, features, labels)
 
     @classmethod
     def from_json(cls, path: "str | os.PathLike") -> "AttributionGraph":
@@ -235,8 +239,9 @@ class AttributionGraph:
     def plot(self, path: "str | os.PathLike | None" = None, ax=None, title: str | None = None,
              node_threshold: float = 0.8, edge_threshold: float = 0.98):
         """Draw the pruned graph: layers up (embeddings at the bottom, logits at the top), positions
-        across, edge width by |weight| (blue positive, red negative). Saved to `path` if given; returns
-        the matplotlib Figure."""
+        across (a layer and position's nodes side by side, then stacked: none overlap), edge width by
+        |weight| (red positive, blue negative: RdBu, explained in the legend). Saved to `path` if given;
+        returns the matplotlib Figure."""
         pruned = self if self.node_mask is not None else self.prune(node_threshold, edge_threshold)
         return export.plot(pruned, path, ax, title)
 

@@ -26,6 +26,17 @@ def check_engine(engine: str, num_workers: int) -> None:
                          "needs engine='ray'")
 
 
+class Shards:
+    """Rows cut into shards of `shard_size` (a plan's `rows` and `shard_size` fields): the unit a worker takes."""
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        return shard * self.shard_size, min((shard + 1) * self.shard_size, self.rows)
+
+    @property
+    def shards(self) -> int:
+        return -(-self.rows // self.shard_size)
+
+
 def pool_size(num_workers: int, units: int) -> int:
     """The workers a run starts: `num_workers`, but no more than there are units of work to give them."""
     return max(1, min(num_workers, units))

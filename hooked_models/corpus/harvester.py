@@ -16,7 +16,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from hooked_models.corpus.data import read_corpus, require_datasets, window_batches
-from hooked_models.corpus.engines import Worker, check_engine, pool_size, run
+from hooked_models.corpus.engines import Shards, Worker, check_engine, pool_size, run
 from hooked_models.corpus.source import model_identity, resolve_model
 from hooked_models.corpus.store import (
     FORMAT,
@@ -43,7 +43,7 @@ SHARD_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
-class HarvestPlan:
+class HarvestPlan(Shards):
     """What every worker needs to compute and write a shard (sent to Ray actors)."""
 
     out: str
@@ -55,13 +55,6 @@ class HarvestPlan:
     rows: int
     features: object  # datasets.Features
     threads: int
-
-    def shard_rows(self, shard: int) -> tuple[int, int]:
-        return shard * self.shard_size, min((shard + 1) * self.shard_size, self.rows)
-
-    @property
-    def shards(self) -> int:
-        return -(-self.rows // self.shard_size)
 
 
 def _per_position(tensor: Tensor, value) -> Tensor:

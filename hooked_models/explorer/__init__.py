@@ -15,8 +15,13 @@ from hooked_models.explorer.server import Explorer, create_app
 __all__ = ["Explorer", "create_app", "serve"]
 
 
-def serve(model, data=(), saes=None, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
-    """Run the explorer until interrupted, bound to `host` (this machine only unless told otherwise)."""
+def serve(model, data=(), saes=None, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          sockets=None) -> None:
+    """Run the explorer until SIGINT or SIGTERM, bound to `host` (this machine only unless told otherwise), or
+    on `sockets` already bound. Stopping cancels every job (at its next batch) and waits at most a second
+    for open connections (the page's polls)."""
     import uvicorn
 
-    uvicorn.run(create_app(model, data, saes), host=host, port=port, log_level=log_level)
+    config = uvicorn.Config(create_app(model, data, saes), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=1)
+    uvicorn.Server(config).run(sockets=sockets)

@@ -2,9 +2,13 @@
 
 Every number it sends is computed by the package (`run_with_cache`, `cache.logit_lens`,
 `patching.activation_patch`, `circuits.edge_attribution` / `edge_patch` / `faithfulness_curve`,
-`features.dashboard` / `search_by_token`); the server only parses requests, runs them and sends the
+`features.dashboard` / `search_by_token`, a saved `features.statistics` result read feature by feature);
+the server only parses requests, runs them and sends the
 results as JSON. Long computations (patching, circuits, feature passes over a harvest) are background jobs
-(`jobs.py`): a request returns the job's id at once and the page polls `/api/jobs/{id}`.
+(`jobs.py`: a queue on a replica of the model sharing its weights, so the views never wait for a job): a
+request returns the job's id at once, the page polls `/api/jobs/{id}`, `DELETE /api/jobs/{id}` cancels.
+Every size a request sets is bounded (`requests.py`, stated in /api/openapi.json) and every change made
+to a prompt is said (`prompts.py`: the `notices` field of each response).
 
 Safety: files are read only under the directories given (`data`), resolved with symlinks followed, so
 `..` or a link out is refused; files are parsed as JSON or safetensors, never unpickled; no request
@@ -12,14 +16,15 @@ names code to run (values and edges are looked up in the model's own tables).
 """
 
 import json
-import threading
 from collections.abc import Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
@@ -28,64 +33,18 @@ from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
 from hooked_models.attribution.export import json_node
 from hooked_models.explorer.graph_file import GraphFile
-from hooked_models.explorer.jobs import Job, Jobs, message
+from hooked_models.explorer.jobs import Jobs, message
+from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
+from hooked_models.explorer.requests import Limits, request_models, validation_message
+from hooked_models.features.results import META as STATISTICS
 from hooked_models.transcoders import TranscoderSet
 from hooked_models.saes import sae_hook_name
 
 STATIC = Path(__file__).parent / "static"
-MAX_GRAPH_BYTES = 256 * 2**20  # a graph file larger than this is refused before it is read
-MAX_TOP_K = 50
 
 
 class RefusedPath(ValueError):
     """A path outside the directories the server was given."""
-
-
-# ------------------------------------------------------------------------------------------ requests
-class PromptRequest(BaseModel):
-    prompt: str
-    top_k: int = 5
-    answer: str | None = None  # the token the logit lens follows (default: the prediction at the last position)
-
-
-class PairRequest(BaseModel):
-    clean: str
-    corrupted: str
-    answer: str
-    wrong: str
-
-
-class PatchRequest(PairRequest):
-    value: str = "layer_input"
-    over: list[str] | None = None
-    direction: str = "denoising"
-
-
-class CircuitRequest(PairRequest):
-    method: str = "eap-ig"
-    steps: int = 5
-
-
-class EdgeRequest(PairRequest):
-    writer: str
-    reader: str
-
-
-class GraphRequest(BaseModel):
-    path: str
-
-
-class FeatureRequest(BaseModel):
-    harvest: str
-    sae: str
-    feature: int
-
-
-class SearchRequest(BaseModel):
-    harvest: str
-    sae: str
-    token: str
-    k: int = 10
 
 
 def finite_list(tensor: torch.Tensor) -> list:
@@ -114,8 +73,9 @@ class Explorer:
             if not root.is_dir():
                 raise ValueError(f"data directory {root} does not exist or is not a directory")
         self.saes = _per_layer(saes or {})
-        self.lock = threading.Lock()
-        self.queue = Jobs(self.lock)
+        self.transcoder_sets = [m for m in (saes or {}).values() if isinstance(m, TranscoderSet)]
+        self.limits = Limits.of(self.model)
+        self.queue = Jobs(self.model)
 
     # ---------------------------------------------------------------------------- inputs
     def path(self, path: str) -> Path:
@@ -140,17 +100,11 @@ class Explorer:
             raise ValueError(f"{text!r} is not in the vocabulary (it reads as {tokenizer.unk_token})")
         return token
 
-    def tokens(self, text: str) -> torch.Tensor:
-        if not text.strip():
-            raise ValueError("the prompt is empty")
-        return self.model.to_tokens(text)
-
-    def pair(self, request: PairRequest):
-        clean, corrupted = self.tokens(request.clean), self.tokens(request.corrupted)
-        if clean.shape != corrupted.shape:
-            raise ValueError(f"the clean prompt is {clean.shape[1]} tokens and the corrupted one "
-                             f"{corrupted.shape[1]}: patching needs prompts of one length")
-        metric = patching.logit_diff_metric([self.token(request.answer)], [self.token(request.wrong)])
+    def pair(self, request):
+        """The request's clean and corrupted prompts, and the logit difference at the last real position."""
+        clean, corrupted = read_pair(self.model, request.clean, request.corrupted)
+        metric = patching.logit_diff_metric([self.token(request.answer)], [self.token(request.wrong)],
+                                            position=clean.real - 1)
         return clean, corrupted, metric
 
     def sae(self, name: str) -> nn.Module:
@@ -160,11 +114,12 @@ class Explorer:
 
     # ---------------------------------------------------------------------------- jobs
     def submit(self, kind: str, work) -> dict:
+        """Queue `work(model, job)`, run on the jobs' replica of the model."""
         return self.queue.submit(kind, work)
 
-    def job(self, job_id: str) -> Job:
+    def job(self, job_id: str, cancel: bool = False) -> dict:
         try:
-            return self.queue.get(job_id)
+            return self.queue.cancel(job_id) if cancel else self.queue.status(job_id)
         except KeyError:
             raise HTTPException(404, f"no job {job_id!r}") from None
 
@@ -176,43 +131,42 @@ class Explorer:
                 "num_kv_heads": cfg.num_kv_heads, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                 "soft_cap": getattr(cfg, "attn_soft_cap", None), "experts": getattr(cfg, "mlp_experts", None),
                 "values": names, "data": [str(r) for r in self.roots],
-                "saes": [self.sae_summary(name) for name in self.saes]}
+                "saes": [self.sae_summary(name) for name in self.saes], "limits": self.limits.as_dict()}
 
     def sae_summary(self, name: str) -> dict:
         sae = self.saes[name]
         return {"name": name, "hook": sae_hook_name(sae), "d_sae": int(sae.W_dec.shape[0]),
                 "d_out": int(sae.W_dec.shape[1]), "layer": getattr(sae, "layer", None)}
 
-    def prompt(self, request: PromptRequest) -> dict:
-        if not 1 <= request.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k={request.top_k} is outside [1, {MAX_TOP_K}]")
-        tokens = self.tokens(request.prompt)
-        with self.lock, torch.no_grad():
+    def prompt(self, request) -> dict:
+        prompt = read_prompt(self.model, request.prompt)
+        tokens = prompt.tokens
+        with self.queue.views(), torch.no_grad():
             logits, cache = self.model.run_with_cache(tokens)
             probs = logits[0].float().softmax(-1)
             top = probs.topk(request.top_k, dim=-1)
-            answer = self.token(request.answer) if request.answer else int(top.indices[-1, 0])
+            answer = self.token(request.answer) if request.answer else int(top.indices[prompt.real - 1, 0])
             lens = cache.logit_lens(positions=None, targets=[answer], return_type="probs")
         to_str = self.model.to_str_tokens
-        return {"tokens": to_str(tokens[0]), "answer": to_str([answer])[0], "answer_id": answer,
+        return {**prompt.fields(self.model), "answer": to_str([answer])[0], "answer_id": answer,
                 "top": [[{"token": t, "id": int(i), "prob": float(p)} for t, i, p in zip(to_str(ids), ids, ps)]
                         for ids, ps in zip(top.indices, top.values)],
                 "lens_labels": list(lens.labels), "lens_probs": lens.values[:, 0, :, 0].tolist(),
                 "lens_ranks": lens.readout.target_ranks[:, 0, :, 0].tolist()}
 
-    def attention(self, request: PromptRequest) -> dict:
-        tokens, model = self.tokens(request.prompt), self.model
+    def attention(self, request) -> dict:
+        prompt, model = read_prompt(self.model, request.prompt), self.model
         cfg = model.cfg
         wanted = ("attention_probabilities", "attention_raw_scores", "attention_scores", "mlp_expert_index")
-        with self.lock, torch.no_grad():
-            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith(wanted))
+        with self.queue.views(), torch.no_grad():
+            _, cache = model.run_with_cache(prompt.tokens, names_filter=lambda n: n.endswith(wanted))
 
         def per_layer(leaf: str):
             found = [n for n in cache.keys() if n.endswith(leaf)]
             return [finite_list(cache[n][0]) for n in sorted(found, key=lambda n: int(n.split(".")[1]))] or None
 
         group = cfg.num_heads // cfg.num_kv_heads
-        return {"tokens": model.to_str_tokens(tokens[0]), "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+        return {**prompt.fields(model), "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
                 "num_kv_heads": cfg.num_kv_heads, "kv_head": [h // group for h in range(cfg.num_heads)],
                 "patterns": per_layer("attention_probabilities"),
                 # alpha-er: the scores before its soft cap (cap·tanh(s/cap)) and after, and each position's expert
@@ -220,42 +174,57 @@ class Explorer:
                 "scores": per_layer("attention_scores") if getattr(cfg, "attn_soft_cap", None) else None,
                 "experts": per_layer("mlp_expert_index")}
 
-    def patch(self, request: PatchRequest) -> dict:
+    def patch(self, request) -> dict:
         clean, corrupted, metric = self.pair(request)
-        patching.find_sites(self.model, request.value)  # an unknown value is refused now, not in the job
+        self.check_sweep(clean, request.value, request.over)  # an unknown value or a sweep too big: refused now
+        labels = self.model.to_str_tokens(clean.tokens[0])  # the heatmap's positions by their tokens
 
-        def work(job):
-            result = patching.activation_patch(self.model, clean, corrupted, metric, request.value, request.over,
-                                               direction=request.direction, progress=False)
+        def work(model, job):
+            result = patching.activation_patch(model, clean.tokens, corrupted.tokens, metric, request.value,
+                                               request.over, direction=request.direction, progress=job.report,
+                                               position_labels=labels)
             span = result.clean_metric != result.corrupted_metric
             return {"values": result.values.tolist(), "axes": list(result.axes), "labels": result.labels,
                     "value": result.value, "direction": result.direction, "clean_metric": result.clean_metric,
                     "corrupted_metric": result.corrupted_metric,
-                    "normalized": result.normalized().tolist() if span else None}
+                    "normalized": result.normalized().tolist() if span else None,
+                    "notices": clean.notices + corrupted.notices}
 
         return self.submit("patch", work)
 
-    def circuit(self, request: CircuitRequest) -> dict:
+    def check_sweep(self, prompt: Prompt, value: str, over) -> None:
+        """A ValueError unless the sweep of `value` over `over` has at most `limits.patches` patches: its
+        grid, planned from the sizes one forward gives (no patched run)."""
+        sites = patching.find_sites(self.model, value)
+        with self.queue.views(), torch.no_grad():
+            _, cache = self.model.run_with_cache(prompt.tokens, names_filter=[s.name for s in sites])
+        sizes = [dict(zip(s.value.dims[1:], cache[s.name].shape[1:])) for s in sites]
+        _, patches = patching.plan(self.model, sites, over, None, sizes)
+        if len(patches) > self.limits.patches:
+            raise ValueError(f"the sweep of {value} over {over or 'its default axes'} is {len(patches)} patches, "
+                             f"over the bound {self.limits.patches}: sweep fewer axes")
+
+    def circuit(self, request) -> dict:
         clean, corrupted, metric = self.pair(request)
 
-        def work(job):
-            graph = circuits.edge_attribution(self.model, clean, corrupted, metric, request.method, request.steps)
+        def work(model, job):
+            graph = circuits.edge_attribution(model, clean.tokens, corrupted.tokens, metric, request.method,
+                                              request.steps, progress=job.report)
             order = graph.scores.abs().argsort(descending=True, stable=True).tolist()
             ks = sorted({k for k in (0, 1, 2, 3, 5, 10, 15, 20, 30, 50, 100, 200, len(graph)) if k <= len(graph)})
-            job.progress = 0.5
-            curve = graph.faithfulness_curve(self.model, clean, corrupted, metric, ks)
+            curve = graph.faithfulness_curve(model, clean.tokens, corrupted.tokens, metric, ks, progress=job.report)
             return {"edges": [{"writer": graph.edges[i][0], "reader": graph.edges[i][1],
                                "score": float(graph.scores[i])} for i in order],
                     "method": graph.method, "clean_metric": graph.clean_metric,
                     "corrupted_metric": graph.corrupted_metric, "sizes": graph.sizes, "ks": ks,
-                    "faithfulness": curve.tolist()}
+                    "faithfulness": curve.tolist(), "notices": clean.notices + corrupted.notices}
 
         return self.submit("circuit", work)
 
-    def edge(self, request: EdgeRequest) -> dict:
+    def edge(self, request) -> dict:
         clean, corrupted, metric = self.pair(request)
-        with self.lock:
-            clean_metric, patched = circuits.edge_patch(self.model, clean, corrupted, metric,
+        with self.queue.views():
+            clean_metric, patched = circuits.edge_patch(self.model, clean.tokens, corrupted.tokens, metric,
                                                         [[], [(request.writer, request.reader)]]).tolist()
         return {"writer": request.writer, "reader": request.reader, "edge_patch": patched,
                 "clean_metric": clean_metric, "effect": patched - clean_metric}
@@ -267,21 +236,28 @@ class Explorer:
         if not directory.is_dir():
             raise ValueError(f"{path!r} is not a directory")
         return {"path": str(directory),
-                "entries": [self._entry(p, str(p)) for p in sorted(directory.iterdir()) if not p.name.startswith(".")]}
+                "entries": [self._entry(p, self._shown(p)) for p in sorted(directory.iterdir())
+                            if not p.name.startswith(".")]}
+
+    def _shown(self, path: Path) -> str:
+        """A path as the page shows and sends it: relative to the first data directory (where `path` resolves
+        relative paths) when it lies under it, else whole."""
+        return str(path.relative_to(self.roots[0])) if self.roots and self.roots[0] in path.parents else str(path)
 
     @staticmethod
     def _entry(path: Path, shown: str) -> dict:
-        kind = ("harvest" if (path / "manifest.json").is_file() else "directory") if path.is_dir() else (
+        kind = ("harvest" if (path / "manifest.json").is_file() else "statistics" if (path / STATISTICS).is_file()
+                else "directory") if path.is_dir() else (
             "json" if path.suffix == ".json" else "file")
         return {"name": path.name or shown, "path": shown, "kind": kind}
 
-    def graph(self, request: GraphRequest) -> dict:
+    def graph(self, request) -> dict:
         path = self.path(request.path)
         if not path.is_file():
             raise ValueError(f"{request.path!r} is not a file")
-        if path.stat().st_size > MAX_GRAPH_BYTES:
-            raise ValueError(f"{request.path!r} is {path.stat().st_size} bytes, over the {MAX_GRAPH_BYTES} a graph "
-                             "file may have")
+        if path.stat().st_size > self.limits.graph_bytes:
+            raise ValueError(f"{request.path!r} is {path.stat().st_size} bytes, over the bound "
+                             f"{self.limits.graph_bytes} a graph file may have")
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -293,31 +269,43 @@ class Explorer:
             raise ValueError(f"{request.path!r} is not an attribution graph in circuit-tracer's schema: "
                              f"{problems}") from None
         graph = graph.checked().model_dump()
+        self._name_nodes(graph)
         if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings and QK come along
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
             graph["qk_attributions"] = data.get("qk_attributions", [])
         return graph
 
-    def dashboard(self, request: FeatureRequest) -> dict:
+    def _name_nodes(self, graph: dict) -> None:
+        """Add what the page names nodes by: a logit's token (`logit_token`, the served model's text for its
+        id) and, where the graph's transcoders are a set the server serves, the features' kind
+        (`feature_kind`: the schema's one feature_type string says "cross layer transcoder" for every kind)."""
+        hooks = list(graph["metadata"]["transcoder_list"])
+        per_layer = any(hooks == [ts.input_hook(layer) for layer in range(ts.n_layers)] for ts in self.transcoder_sets)
+        for node in graph["nodes"]:
+            if node["feature_type"] == "logit" and 0 <= node["feature"] < self.model.cfg.vocab_size:
+                node["logit_token"] = self.model.to_str_tokens([node["feature"]])[0]
+            elif node["feature_type"] == "cross layer transcoder" and per_layer:
+                node["feature_kind"] = "per-layer transcoder"
+
+    def dashboard(self, request) -> dict:
         sae, harvest = self.sae(request.sae), self.path(request.harvest)
         features.check_feature(request.feature, int(sae.W_dec.shape[0]))
+        if (harvest / STATISTICS).is_file():  # a features.statistics result: the feature is read, not computed
+            layer = features.FeatureStatistics.load(harvest)[sae_hook_name(sae)]
+            return self.submit("dashboard", lambda model, job: {**layer.board(request.feature), "sae": request.sae})
 
-        def work(job):
-            board = features.dashboard(self.model, harvest, sae, request.feature,
-                                       progress=lambda done: setattr(job, "progress", done))
+        def work(model, job):
+            board = features.dashboard(model, harvest, sae, request.feature, progress=job.report)
             return {**asdict(board), "sae": request.sae}
 
         return self.submit("dashboard", work)
 
-    def search(self, request: SearchRequest) -> dict:
+    def search(self, request) -> dict:
         sae, harvest = self.sae(request.sae), self.path(request.harvest)
-        if not 1 <= request.k <= MAX_TOP_K:
-            raise ValueError(f"k={request.k} is outside [1, {MAX_TOP_K}]")
         token = self.token(request.token)
 
-        def work(job):
-            found = features.search_by_token(self.model, harvest, sae, token, k=request.k,
-                                             progress=lambda done: setattr(job, "progress", done))
+        def work(model, job):
+            found = features.search_by_token(model, harvest, sae, token, k=request.k, progress=job.report)
             return {"token": request.token, "features": found, "sae": request.sae}
 
         return self.submit("search", work)
@@ -386,7 +374,15 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
     files) the page may open. saes: SAEs and transcoders by name (modules with encode and W_dec).
     """
     explorer = Explorer(model, data, saes)
-    app = FastAPI(title="hooked_models explorer", docs_url="/api/docs", openapi_url="/api/openapi.json")
+    bodies = request_models(explorer.limits)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        explorer.queue.shutdown()  # the server stops: every job is cancelled at its next batch
+
+    app = FastAPI(title="hooked_models explorer", docs_url="/api/docs", openapi_url="/api/openapi.json",
+                  lifespan=lifespan)
     app.state.explorer = explorer
 
     @app.exception_handler(RefusedPath)
@@ -399,6 +395,11 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
     async def bad_input(request: Request, error: ValueError):
         return JSONResponse({"error": message(error)}, status_code=400)
 
+    # A body outside its bounds or of the wrong type: 400 naming the value and the bound (not FastAPI's 422).
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        return JSONResponse({"error": validation_message(error.errors())}, status_code=400)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         return JSONResponse({"error": error.detail}, status_code=error.status_code)
@@ -408,21 +409,30 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
     def describe():
         return explorer.describe()
 
-    routes = {"/api/prompt": (explorer.prompt, PromptRequest), "/api/attention": (explorer.attention, PromptRequest),
-              "/api/patch": (explorer.patch, PatchRequest), "/api/circuit": (explorer.circuit, CircuitRequest),
-              "/api/edge": (explorer.edge, EdgeRequest), "/api/graph": (explorer.graph, GraphRequest),
-              "/api/features/dashboard": (explorer.dashboard, FeatureRequest),
-              "/api/features/search": (explorer.search, SearchRequest)}
+    routes = {"/api/prompt": (explorer.prompt, "PromptRequest"),
+              "/api/attention": (explorer.attention, "PromptRequest"),
+              "/api/patch": (explorer.patch, "PatchRequest"), "/api/circuit": (explorer.circuit, "CircuitRequest"),
+              "/api/edge": (explorer.edge, "EdgeRequest"), "/api/graph": (explorer.graph, "GraphRequest"),
+              "/api/features/dashboard": (explorer.dashboard, "FeatureRequest"),
+              "/api/features/search": (explorer.search, "SearchRequest")}
     for route, (handler, body) in routes.items():
-        app.add_api_route(route, _endpoint(handler, body), methods=["POST"])
+        app.add_api_route(route, _endpoint(handler, bodies[body]), methods=["POST"])
 
     @app.get("/api/files")
     def files(path: str | None = None):
         return explorer.files(path)
 
+    @app.get("/api/jobs")
+    def jobs():
+        return {"jobs": explorer.queue.listing()}
+
     @app.get("/api/jobs/{job_id}")
     def job(job_id: str):
-        return explorer.job(job_id).status()
+        return explorer.job(job_id)
+
+    @app.delete("/api/jobs/{job_id}")
+    def cancel(job_id: str):
+        return explorer.job(job_id, cancel=True)
 
     @app.get("/")
     def index():

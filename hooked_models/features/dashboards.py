@@ -27,21 +27,7 @@ from hooked_models.features.reading import (
     harvest_column,
     open_harvest,
 )
-
-
-@dataclass
-class Window:
-    """A stretch of one harvested window around the feature's strongest position there."""
-
-    row: int  # the window's index in the harvest
-    position: int  # where the feature peaks, in the window
-    start: int  # the first position shown
-    tokens: list[str]
-    activations: list[float]  # the feature's activation at each token shown
-
-    @property
-    def peak(self) -> float:
-        return self.activations[self.position - self.start]
+from hooked_models.features.results import Window
 
 
 @dataclass

@@ -236,3 +236,12 @@ def test_attribution_graph_with_the_shipped_transcoders(tmp_path, run_in_process
 def test_attribution_graph_trains_transcoders_on_alpha_er(tmp_path, run_in_process):
     stdout = run_in_process("attribution_graph.py", "--family", "alpha_er", "--train", "60", "--out", str(tmp_path))
     check_attribution_outputs(stdout, tmp_path, "alpha_er")
+
+
+@pytest.mark.parametrize("script", ["attribution_graph.py", "head_patching.py", "circuit_discovery.py"])
+@pytest.mark.parametrize("spelling", ["alpha-er", "alpha_er"])
+def test_family_takes_either_spelling(run_in_process, capsys, script, spelling):
+    # argparse converts --family before it meets --help: a spelling it refused would exit 2 with its message
+    with pytest.raises(SystemExit) as stopped:
+        run_in_process(script, "--family", spelling, "--help")
+    assert stopped.value.code == 0, capsys.readouterr().err

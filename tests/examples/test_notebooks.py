@@ -31,7 +31,7 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def test_the_tutorials_are_all_here():
-    assert [n.name[:2] for n in run_notebooks.NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+    assert [n.name[:2] for n in run_notebooks.NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
 
 
 def printed(notebook) -> list[str]:
@@ -109,7 +109,7 @@ def test_notebook_runs_as_committed(path):
     needs = run_notebooks.NEEDS.get(path.stem)
     if needs:  # 05 needs SAELens: it runs in the environment with the sae extra (CI's second)
         pytest.importorskip(needs, reason=f"{path.name} needs {needs}: the sae extra, in its own environment "
-                                          "(README, Sparse autoencoders)")
+                                          "(docs/guide/saes.md)")
     fresh = run_notebooks.execute(path)
     outputs = [o for cell in fresh.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

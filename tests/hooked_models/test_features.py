@@ -39,7 +39,8 @@ def test_dashboard_equals_a_direct_computation(arcee, data_dir, sae, feature):
         assert w.position == int(where[w.row]) and w.peak == pytest.approx(float(peaks[w.row]), rel=1e-6)
         assert w.activations == pytest.approx(f[w.row, w.start:w.start + len(w.tokens)].tolist(), rel=1e-6)
         assert w.tokens == arcee.to_str_tokens(ids[w.row, w.start:w.start + len(w.tokens)])
-        assert len(w.tokens) <= 7 and w.start == max(0, w.position - 3)
+        # the window is pinned to its exact extent: 3 tokens either side of the peak, cut at the row's ends
+        assert w.start == max(0, w.position - 3) and len(w.tokens) == min(16, w.position + 4) - w.start
     logits = sae.W_dec[feature].detach() @ arcee.W_U
     assert [v for _, v in board.promoted] == logits.topk(10).values.tolist()
     assert [t for t, _ in board.suppressed] == arcee.to_str_tokens(logits.topk(10, largest=False).indices)

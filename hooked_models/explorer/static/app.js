@@ -1,7 +1,7 @@
 // The explorer's page: six views over the server's JSON API (README "The explorer"), one module each. It
 // draws what the server sends; every number comes from the library. Plotly draws heatmaps and curves; the
 // two graphs (circuits, attribution) are plain SVG laid out by layer and position.
-import {$, api, el, handle, session, showError} from "./common.js";
+import {$, api, el, handle, session, showError, showQueue} from "./common.js";
 import {runPrompt} from "./prompt.js";
 import {HEAD, drawHead, runAttention} from "./attention.js";
 import {runPatch} from "./patching.js";
@@ -28,17 +28,22 @@ async function start() {
   $("values").replaceChildren(...MODEL.values.map((v) => el("option", {value: v})));
   $("feature-sae").replaceChildren(...MODEL.saes.map((s) => el("option", {value: s.name}, `${s.name} (${s.d_sae})`)));
   for (const button of document.querySelectorAll("#tabs button")) button.onclick = () => showView(button.dataset.view);
-  $("prompt-form").onsubmit = handle(runPrompt);
-  $("attention-form").onsubmit = handle(runAttention);
+  const promptViews = ["prompt-tokens", "prompt-lens"];
+  $("prompt-form").onsubmit = handle(runPrompt, ...promptViews);
+  $("attention-form").onsubmit = handle(runAttention, "attention-heads", "attention-from", "attention-to",
+                                        "attention-experts", "attention-plot", "attention-note");
   $("attention-kind").onchange = () => HEAD && drawHead(...HEAD);
-  $("patch-form").onsubmit = handle(runPatch);
-  $("circuit-form").onsubmit = handle(runCircuit);
+  $("patch-form").onsubmit = handle(runPatch, "patch-plot", "patch-summary", "patch-hover");
+  $("circuit-form").onsubmit = handle(runCircuit, "circuit-svg", "circuit-curve", "circuit-count", "circuit-edge");
   $("circuit-k").oninput = () => CIRCUIT && drawCircuit();
-  $("feature-form").onsubmit = handle(() => openFeature($("feature-sae").value, +$("feature-index").value));
-  $("feature-search").onclick = handle(searchFeatures);
-  $("graph-form").onsubmit = handle(openGraph);
+  $("feature-form").onsubmit = handle(() => openFeature($("feature-sae").value, +$("feature-index").value),
+                                      "feature-board");
+  $("feature-search").onclick = handle(searchFeatures, "feature-found");
+  $("graph-form").onsubmit = handle(openGraph, "graph-svg", "graph-detail", "graph-title", "graph-count");
   $("graph-threshold").oninput = () => GRAPH && drawGraph();
-  await handle(runPrompt)();
+  // the queue in the header, every job that runs or waits (whoever started it: another tab, a script)
+  setInterval(() => showQueue().catch(() => {}), 1000);
+  await handle(runPrompt, ...promptViews)();
 }
 
 start().catch((error) => showError(error.message));

@@ -1,12 +1,13 @@
 // The attention view: every head's pattern (alpha-er: its scores before and after the soft cap too), the
 // key/value groups, the tokens a hovered position attends to and is attended by, each position's expert.
-import {$, api, el, uniqueLabels} from "./common.js";
+import {$, BLUES, RED_BLUE, api, causal, el, showNotices, tokenAxis, uniqueLabels} from "./common.js";
 
 let ATTENTION = null;
 export let HEAD = null;
 
 export async function runAttention() {
   ATTENTION = await api("/api/attention", {prompt: $("attention-text").value});
+  showNotices(ATTENTION.notices);
   const kinds = $("attention-kind");
   kinds.replaceChildren(el("option", {value: "patterns"}, "pattern"));
   if (ATTENTION.raw_scores) {
@@ -56,13 +57,20 @@ export function drawHead(layer, head) {
   for (const button of document.querySelectorAll(".head")) button.classList.remove("active");
   $(`head-${layer}-${head}`).classList.add("active");
   const kind = $("attention-kind").value;
-  const matrix = ATTENTION[kind][layer][head];
+  // every score view leaves the masked (future) keys blank: they take no part in the softmax
+  const matrix = causal(ATTENTION[kind][layer][head]);
   const labels = uniqueLabels(ATTENTION.tokens);
+  const pattern = kind === "patterns";
+  const seen = matrix.flat().filter((x) => x !== null).map(Math.abs);
+  const span = Math.max(...seen, 1e-12);
   Plotly.react("attention-plot", [{
-    type: "heatmap", z: matrix, x: labels, y: labels, colorscale: kind === "patterns" ? "Blues" : "RdBu",
+    type: "heatmap", z: matrix, x: labels, y: labels, colorscale: pattern ? BLUES : RED_BLUE, hoverongaps: false,
+    zmin: pattern ? 0 : -span, zmax: pattern ? 1 : span, colorbar: {title: {text: pattern ? "attention" : "score"}},
     hovertemplate: "query %{y}<br>key %{x}<br>%{z:.4f}<extra></extra>",
   }], {title: {text: `layer ${layer} head ${head} (kv head ${ATTENTION.kv_head[head]}): ${$("attention-kind").selectedOptions[0].text}`},
-      yaxis: {autorange: "reversed"}, margin: {l: 110, b: 110}, xaxis: {tickangle: -60}}, {displayModeBar: false});
+      xaxis: tokenAxis(ATTENTION.tokens, {title: {text: "key"}}),
+      yaxis: tokenAxis(ATTENTION.tokens, {autorange: "reversed", tickangle: 0, title: {text: "query"}}),
+      margin: {t: 40}, plot_bgcolor: "#fff"}, {displayModeBar: false});
   for (const strip of ["attention-from", "attention-to"]) {
     const box = $(strip);
     box.replaceChildren();

@@ -1,12 +1,13 @@
 // The circuits view: circuits.edge_attribution's top k edges drawn by layer, its faithfulness curve, and an
 // edge's exact edge_patch on click.
-import {$, api, fmt, handle, pair, runJob, svgEl} from "./common.js";
+import {$, api, fmt, handle, pair, runJob, showNotices, svgEl} from "./common.js";
 
 export let CIRCUIT = null;
 
 export async function runCircuit() {
   CIRCUIT = {request: pair("circuit")};
   CIRCUIT.result = await runJob("/api/circuit", {...CIRCUIT.request, method: $("circuit-method").value}, "circuit-progress");
+  showNotices(CIRCUIT.result.notices);
   const slider = $("circuit-k");
   slider.max = CIRCUIT.result.edges.length;
   slider.value = Math.min(20, CIRCUIT.result.edges.length);
@@ -74,6 +75,18 @@ export function drawCircuit() {
     label.textContent = `→ ${port}`;
     svg.append(label);
   });
+  // A key/value head is read by its group's query heads (inside attention, not an edge of the graph): a
+  // thin grey line to each, drawn as boxes too, so a kv head never looks cut off from its heads.
+  const group = sizes.num_heads / sizes.num_kv_heads;
+  for (const b of [...boxes.values()]) {
+    const m = b.label.match(/^L(\d+) kv(\d+)$/);
+    if (!m) continue;
+    for (let h = +m[2] * group; h < (+m[2] + 1) * group; h++) {
+      const head = box(`layers.${m[1]}.self_attn.head.${h}`);
+      svg.append(svgEl("line", {class: "reads", x1: b.x, y1: b.y - 8, x2: head.x, y2: head.y + 8, stroke: "#9ca3af",
+                                "stroke-width": 1, "stroke-dasharray": "2 2"}));
+    }
+  }
   for (const b of boxes.values()) {
     svg.append(svgEl("rect", {x: b.x - 26, y: b.y - 8, width: 52, height: 16, rx: 3, fill: "#fff", stroke: "#666"}));
     const text = svgEl("text", {x: b.x, y: b.y + 3.5, "text-anchor": "middle"});

@@ -9,7 +9,8 @@ export async function refreshFiles() {
   for (const root of roots) {
     const listed = [root, ...(await api(`/api/files?path=${encodeURIComponent(root.path)}`)).entries];
     for (const entry of listed) {
-      if (entry.kind === "harvest") harvests.append(el("option", {value: entry.path}));
+      // a features.statistics result opens any feature at once, read from it
+      if (entry.kind === "harvest" || entry.kind === "statistics") harvests.append(el("option", {value: entry.path}));
       if (entry.kind === "json") graphs.append(el("option", {value: entry.path}));
     }
   }

@@ -33,6 +33,63 @@ function rowOf(node) {
   return node.layer === "E" ? 0 : node.feature_type === "logit" ? Infinity : 1 + Number(node.layer);
 }
 
+// A node named by what it is: `L1 F159 @ "to"` (a feature: layer, index, position's token) and its label
+// where it has one (`clerp`), `error L0 @ "John"`, `emb @ "When"`, `logit " Mary"`.
+export function nodeName(node, tokens) {
+  const at = `@ ${JSON.stringify(tokens[node.ctx_idx] ?? node.ctx_idx)}`;
+  const index = node.node_id.split("_")[1];
+  if (node.feature_type === "logit") {
+    const quoted = /^Output "(.*)" \(p=/.exec(node.clerp || "");
+    return `logit ${quoted ? JSON.stringify(quoted[1]) : node.logit_token !== undefined ? JSON.stringify(node.logit_token) : index}`;
+  }
+  if (node.feature_type === "embedding") return `emb ${at}`;
+  if (node.feature_type === "mlp reconstruction error") return `error L${node.layer} ${at}`;
+  return `L${node.layer} F${index} ${at}` + (node.clerp ? `: ${node.clerp}` : "");
+}
+
+const R = 6, PITCH = 2 * R + 4;  // a node's radius, and the distance between two nodes' centres in a cell
+const KINDS = {embedding: "#16a34a", logit: "#111827", "mlp reconstruction error": "#9ca3af"};
+const FEATURE = "#f59e0b";
+export const EDGE_COLOURS = {positive: "#b2182b", negative: "#2166ac"};  // RdBu's ends, as the other views
+
+// Layout: one row per layer (embeddings at the bottom, logits at the top), one column per position, wide
+// enough for three nodes; the nodes of one layer and position fill their cell three across and stack up, the
+// row as tall as its fullest cell. The SVG grows to fit (its box scrolls), so no two nodes ever overlap.
+function layout(nodes, positions, rows, minWidth) {
+  const cellW = Math.max(3 * PITCH + 4, (minWidth - 60) / positions);
+  const across = Math.max(1, Math.floor((cellW - 4) / PITCH));
+  const cells = new Map();
+  for (const node of nodes) {
+    const key = `${rowOf(node)}:${node.ctx_idx}`;
+    if (!cells.has(key)) cells.set(key, []);
+    cells.get(key).push(node);
+  }
+  const stack = new Map(rows.map((row) => [row, 1]));
+  for (const [key, members] of cells) {
+    const row = key.split(":")[0];
+    const r = row === "Infinity" ? Infinity : +row;
+    stack.set(r, Math.max(stack.get(r), Math.ceil(members.length / across)));
+  }
+  const rowTop = new Map();
+  let y = 44;  // below the legend
+  for (const row of [...rows].reverse()) {  // from the top (logits) down
+    rowTop.set(row, y);
+    y += Math.max(stack.get(row) * PITCH + 26, 64);
+  }
+  const at = new Map();
+  for (const [key, members] of cells) {
+    const [row, ctx] = key.split(":");
+    const top = rowTop.get(row === "Infinity" ? Infinity : +row);
+    const used = Math.min(across, members.length);
+    members.forEach((node, i) => {
+      const column = i % across, level = Math.floor(i / across);
+      at.set(node.node_id, {x: 50 + +ctx * cellW + (cellW - used * PITCH) / 2 + (column + 0.5) * PITCH,
+                            y: top + (level + 0.5) * PITCH});
+    });
+  }
+  return {at, cellW, rowTop, stack, width: 60 + positions * cellW, height: y + 50};
+}
+
 export function drawGraph() {
   const {data} = GRAPH;
   const threshold = +$("graph-threshold").value;
@@ -43,57 +100,76 @@ export function drawGraph() {
   $("graph-count").dataset.nodes = nodes.length;
   $("graph-count").dataset.links = links.length;
   const svg = $("graph-svg");
-  const width = +svg.getAttribute("width"), height = +svg.getAttribute("height");
   svg.replaceChildren();
   const tokens = data.metadata.prompt_tokens;
   const positions = Math.max(tokens.length, 1 + Math.max(...data.nodes.map((n) => n.ctx_idx)));
   const rows = [...new Set(data.nodes.map(rowOf))].sort((a, b) => a - b);
-  const cellW = (width - 60) / positions, rowH = (height - 70) / Math.max(rows.length - 1, 1);
-  const cells = new Map();
-  for (const node of nodes) {
-    const key = `${rowOf(node)}:${node.ctx_idx}`;
-    if (!cells.has(key)) cells.set(key, []);
-    cells.get(key).push(node);
-  }
-  const at = new Map();
-  for (const [key, members] of cells) {
-    const [row, ctx] = key.split(":");
-    const y = height - 40 - rows.indexOf(row === "Infinity" ? Infinity : +row) * rowH;
-    members.forEach((node, i) => at.set(node.node_id, {x: 40 + (+ctx + (i + 1) / (members.length + 1)) * cellW, y}));
-  }
-  rows.forEach((row, i) => {
-    const label = svgEl("text", {x: 4, y: height - 37 - i * rowH});
+  const box = svg.parentNode.getBoundingClientRect().width || 760;
+  const {at, cellW, rowTop, stack, width, height} = layout(nodes, positions, rows, Math.max(480, box - 4));
+  svg.setAttribute("width", width);
+  svg.setAttribute("height", height);
+  rows.forEach((row) => {
+    const label = svgEl("text", {x: 4, y: rowTop.get(row) + stack.get(row) * PITCH / 2 + 4});
     label.textContent = row === 0 ? "emb" : row === Infinity ? "logit" : `L${row - 1}`;
     svg.append(label);
   });
-  tokens.forEach((token, i) => {
-    const label = svgEl("text", {x: 40 + (i + 0.5) * cellW, y: height - 8, "text-anchor": "middle"});
-    label.textContent = token.length > 8 ? `${token.slice(0, 7)}…` : token;
+  tokens.forEach((token, i) => {  // every position's token, cut to the column (the full text on hover)
+    const room = Math.max(2, Math.floor(cellW / 6));
+    const x = 50 + (i + 0.5) * cellW;
+    const label = svgEl("text", {x, y: height - 40, "text-anchor": "end", transform: `rotate(-45 ${x} ${height - 40})`,
+                                 class: "position"});
+    label.textContent = token.length > room ? `${token.slice(0, room - 1)}…` : token;
+    label.append(svgEl("title"));
+    label.lastChild.textContent = `${i} ${JSON.stringify(token)}`;
     svg.append(label);
   });
   const top = Math.max(...links.map((l) => Math.abs(l.weight)), 1e-12);
   for (const link of links) {
     const a = at.get(link.source), b = at.get(link.target);
-    svg.append(svgEl("line", {x1: a.x, y1: a.y, x2: b.x, y2: b.y, stroke: link.weight > 0 ? "#2563eb" : "#dc2626",
+    svg.append(svgEl("line", {x1: a.x, y1: a.y, x2: b.x, y2: b.y, class: "link",
+                              stroke: link.weight > 0 ? EDGE_COLOURS.positive : EDGE_COLOURS.negative,
                               "stroke-width": 0.3 + 3 * Math.abs(link.weight) / top, "stroke-opacity": 0.5}));
   }
-  const shapes = {embedding: "#16a34a", logit: "#111827", "mlp reconstruction error": "#9ca3af"};
   for (const node of nodes) {
     const p = at.get(node.node_id);
     const classes = ["node", pinned.has(node.node_id) ? "pinned" : "", GRAPH.selected === node.node_id ? "selected" : ""];
-    const mark = svgEl(node.feature_type === "mlp reconstruction error" ? "rect" : "circle", {
-      class: classes.join(" "), "data-id": node.node_id, fill: shapes[node.feature_type] || "#f59e0b",
-      cx: p.x, cy: p.y, r: 6, x: p.x - 5, y: p.y - 5, width: 10, height: 10});
+    const error = node.feature_type === "mlp reconstruction error";
+    const mark = svgEl(error ? "rect" : "circle", {
+      class: classes.join(" "), "data-id": node.node_id, fill: KINDS[node.feature_type] || FEATURE,
+      ...(error ? {x: p.x - R + 1, y: p.y - R + 1, width: 2 * R - 2, height: 2 * R - 2} : {cx: p.x, cy: p.y, r: R})});
     mark.append(svgEl("title"));
-    mark.firstChild.textContent = `${node.node_id} (${node.feature_type}) ${node.clerp}`;
+    mark.firstChild.textContent = `${nodeName(node, tokens)} (${kindOf(node)}); influence ${fmt(node.influence)}`;
     mark.onclick = () => selectNode(node.node_id);
     svg.append(mark);
   }
+  drawLegend(svg, 8, 18);
 }
 
+// What the colours mean: the nodes' kinds and the links' signs.
+function drawLegend(svg, x, y) {
+  const items = [["circle", FEATURE, "feature"], ["rect", KINDS["mlp reconstruction error"], "error"],
+                 ["circle", KINDS.embedding, "embedding"], ["circle", KINDS.logit, "logit"],
+                 ["line", EDGE_COLOURS.positive, "positive link (raises the target)"],
+                 ["line", EDGE_COLOURS.negative, "negative link (lowers it)"]];
+  const legend = svgEl("g", {class: "legend"});
+  let at = x;
+  for (const [shape, colour, text] of items) {
+    legend.append(shape === "line" ? svgEl("line", {x1: at, y1: y - 4, x2: at + 16, y2: y - 4, stroke: colour, "stroke-width": 3})
+      : shape === "rect" ? svgEl("rect", {x: at + 2, y: y - 9, width: 10, height: 10, fill: colour})
+      : svgEl("circle", {cx: at + 7, cy: y - 4, r: 5, fill: colour}));
+    const label = svgEl("text", {x: at + 20, y});
+    label.textContent = text;
+    legend.append(label);
+    at += 30 + 6 * text.length;
+  }
+  svg.append(legend);
+}
+
+// The feature kind from the server (`feature_kind`: the transcoders it serves for this graph), else the file's.
+const kindOf = (node) => node.feature_kind || node.feature_type;
+
 function nodeLabel(node) {
-  const token = GRAPH.data.metadata.prompt_tokens[node.ctx_idx];
-  return `${node.node_id} [${node.feature_type}] at ${JSON.stringify(token ?? node.ctx_idx)}`;
+  return `${nodeName(node, GRAPH.data.metadata.prompt_tokens)} [${kindOf(node)}]`;
 }
 
 function linkTable(links, end, title) {
@@ -101,7 +177,10 @@ function linkTable(links, end, title) {
   table.append(el("caption", {}, title));
   for (const link of links.slice(0, 10)) {
     const row = el("tr", {class: "link"});
-    row.append(el("td", {}, link[end]), el("td", {}, fmt(link.weight)));
+    const other = GRAPH.byId.get(link[end]);
+    row.dataset.id = link[end];
+    row.append(el("td", {title: link[end]}, other ? nodeName(other, GRAPH.data.metadata.prompt_tokens) : link[end]),
+               el("td", {}, fmt(link.weight)));
     row.onclick = () => showHeads(link);
     table.append(row);
   }
@@ -124,7 +203,7 @@ function selectNode(id) {
                 el("div", {id: "graph-heads", class: "note"}));
   const feature = Number(node.node_id.split("_")[1]);
   const sae = session.model.saes.find((s) => String(s.layer) === node.layer);
-  if (node.feature_type.includes("transcoder") && sae) {
+  if (!["embedding", "logit", "mlp reconstruction error"].includes(node.feature_type) && sae) {
     const open = el("button", {type: "button", id: "graph-dashboard"}, `feature dashboard (${sae.name} #${feature})`);
     open.onclick = handle(() => openFeature(sae.name, feature, "graph-board"));
     detail.append(open);
@@ -136,7 +215,8 @@ function selectNode(id) {
 // An edge through attention, split over the heads that carry it (the file's per-link "heads").
 function showHeads(link) {
   const box = $("graph-heads");
-  box.replaceChildren(el("strong", {}, `${link.source} → ${link.target}: ${fmt(link.weight)}`));
+  const name = (id) => (GRAPH.byId.has(id) ? nodeName(GRAPH.byId.get(id), GRAPH.data.metadata.prompt_tokens) : id);
+  box.replaceChildren(el("strong", {}, `${name(link.source)} → ${name(link.target)}: ${fmt(link.weight)}`));
   if (!link.heads || !Object.keys(link.heads).length) {
     box.append(el("p", {}, "this link has no per-head loadings in the file (it does not pass through attention)"));
     return;

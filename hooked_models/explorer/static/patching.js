@@ -1,10 +1,11 @@
 // The patching view: activation_patch's sweep as a heatmap, each cell's exact value on hover.
-import {$, cartesian, fmt, pair, runJob} from "./common.js";
+import {$, RED_BLUE, cartesian, fmt, labelAxis, pair, runJob, showNotices} from "./common.js";
 
 export async function runPatch() {
   const over = $("patch-over").value.trim();
   const result = await runJob("/api/patch", {...pair("patch"), value: $("patch-value").value,
                                              over: over ? over.split(/\s+/) : null}, "patch-progress");
+  showNotices(result.notices);
   // Rows: every axis but the last (their labels joined); columns: the last axis, as PatchingResult.plot.
   const axes = result.axes;
   const last = axes.length ? result.labels[axes[axes.length - 1]] : [result.value];
@@ -17,11 +18,14 @@ export async function runPatch() {
     `clean ${fmt(result.clean_metric)}, corrupted ${fmt(result.corrupted_metric)}` +
     (result.normalized ? "; colour: fraction restored (0 corrupted, 1 clean)" : "; colour: metric");
   const plot = $("patch-plot");
+  // diverging about 0 (no change from the corrupted run), symmetric so that equal effects get equal ink
+  const span = Math.max(...shown.flat().map(Math.abs), 1e-12);
   await Plotly.react(plot, [{
-    type: "heatmap", z: shown, customdata: raw, x: last, y: rows, colorscale: "RdBu", zmid: result.normalized ? 0 : undefined,
+    type: "heatmap", z: shown, customdata: raw, x: last, y: rows, colorscale: RED_BLUE, zmin: -span, zmax: span,
+    colorbar: {title: {text: result.normalized ? "restored" : "metric"}},
     hovertemplate: "%{y} %{x}<br>metric %{customdata:.5f}<br>shown %{z:.4f}<extra></extra>",
-  }], {title: {text: `activation patching: ${result.value}`}, yaxis: {autorange: "reversed"},
-      margin: {l: 120, b: 100}}, {displayModeBar: false});
+  }], {title: {text: `activation patching: ${result.value}`}, xaxis: labelAxis(last),
+      yaxis: labelAxis(rows, {autorange: "reversed", tickangle: 0}), margin: {t: 40}}, {displayModeBar: false});
   plot.removeAllListeners?.("plotly_hover");
   plot.on("plotly_hover", (event) => {
     const point = event.points[0];

@@ -2,6 +2,9 @@
 the harvested value, and attribution-graph files written by hand in circuit-tracer's schema."""
 
 import json
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +14,21 @@ from hooked_models import HookedAlphaEr, HookedArcee
 
 PROMPT = "When Mary and John went to the store together, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store together, Mary gave a drink to"
+
+
+def serve_in_thread(app):
+    """`app` on a free port of 127.0.0.1 (loopback only), in a thread: (url, server, thread)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server, thread
 
 
 class ReluSAE(nn.Module):

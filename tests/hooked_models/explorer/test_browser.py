@@ -8,9 +8,6 @@ EXPLORER_SCREENSHOTS=DIR keeps the screenshots there (docs/explorer/screenshots.
 import io
 import os
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,37 +17,26 @@ playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 
-import uvicorn  # noqa: E402
 
 from hooked_models import circuits, patching  # noqa: E402
 from hooked_models.explorer import create_app  # noqa: E402
 
-from .conftest import CORRUPTED, PROMPT  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(app):
-    """The app on a free port of 127.0.0.1, in a thread: (url, server)."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
+from .conftest import CORRUPTED, PROMPT, serve_in_thread as _serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def base_url(arcee, data_dir, sae, transcoders):
-    url, server, thread = _serve(create_app(arcee, [data_dir], {"resid 1": sae, "tc": transcoders}))
-    yield url
+def served_app(arcee, data_dir, sae, transcoders):
+    app = create_app(arcee, [data_dir], {"resid 1": sae, "tc": transcoders})
+    url, server, thread = _serve(app)
+    yield url, app
+    app.state.explorer.queue.shutdown()
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def base_url(served_app):
+    return served_app[0]
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +160,12 @@ def test_attention_view_on_alpha_er(alpha_er_page, alpha_er):
     page.click("#head-1-2")
     page.wait_for_function("document.querySelector('#attention-plot .gtitle').textContent.includes('before the soft cap')")
     assert page.locator("#attention-heads .kv-group").count() == 8  # no GQA: a key/value head per head
+    # the scores before the cap: the cache's, with every future key (masked by the causal softmax) blank
+    drawn = page.evaluate("document.getElementById('attention-plot').data[0].z")
+    raw = cache["layers.1.self_attn.score_mod.attention_raw_scores"][0, 2]
+    for q, row in enumerate(drawn):
+        assert row[q + 1:] == [None] * (len(row) - q - 1)
+        assert row[:q + 1] == pytest.approx(raw[q, :q + 1].tolist(), abs=1e-6)
 
 
 def test_patching_view(page, screenshots, arcee):
@@ -263,7 +255,8 @@ def test_graph_view(page, screenshots):
     page.locator("#graph-svg .node[data-id='1_3_15']").dispatch_event("click")
     page.wait_for_selector("#graph-detail table.links")
     inputs = page.locator("#graph-detail table.source tr.link")
-    assert inputs.count() == 2 and inputs.first.inner_text().startswith("0_7_11")
+    assert inputs.count() == 2 and inputs.first.get_attribute("data-id") == "0_7_11"
+    assert inputs.first.inner_text().startswith('L0 F7 @ " John"')  # named by what it is, not by its id
     inputs.first.click()  # the link through attention: its per-head loadings
     assert "layers.1.self_attn.head.2" in page.inner_text("#graph-heads")
     page.click("#graph-pin")
@@ -341,3 +334,122 @@ def test_a_head_loading_clicked_shows_its_qk_attributions(page, data_dir, real_g
     entry = next(e for e in written["qk_attributions"] if (e["layer"], e["head"]) == (layer, head))
     assert f"query {entry['query_pos']} → key {entry['key_pos']}" in text and "score" in text
     assert entry["pairs"][0]["query"] in text
+
+
+# ------------------------------------------------------------------------- what was changed, and faults
+def test_a_long_prompt_and_unknown_words_are_noticed(page, arcee):
+    words = "When" + " Mary" * 80 + " Zebra"
+    page.fill("#prompt-text", words)
+    page.click("#prompt-form button")
+    page.wait_for_selector("#notices:not([hidden])")
+    notices = page.locator("#notices .notice").all_inner_texts()
+    # the oracle: the tokenizer itself (BOS first), and the model's positions
+    n = 1 + len(arcee.tokenizer(words, add_special_tokens=False)["input_ids"])
+    assert n > arcee.cfg.max_position_embeddings == 64
+    assert any(f"the prompt is {n} tokens and the model takes 64: cut after token 63, dropping {n - 64} tokens" in x
+               for x in notices), notices
+    assert any("' Zebra' is not in the tokenizer's vocabulary" in x for x in notices), notices
+    assert page.locator("#prompt-tokens .prompt-token").count() == 64
+
+
+def test_a_failed_request_clears_the_results_under_it(page, errors):
+    assert page.locator("#prompt-tokens .prompt-token").count() == 16
+    page.fill("#prompt-text", "   ")
+    page.click("#prompt-form button")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "the prompt is empty" in page.inner_text("#error")
+    assert page.locator("#prompt-tokens .prompt-token").count() == 0
+    assert page.locator("#prompt-lens .heatmaplayer").count() == 0
+    expect_refused(errors, 400)
+
+
+def test_alpha_er_pads_a_short_prompt_as_generate_does(alpha_er_page, alpha_er):
+    page = alpha_er_page
+    page.fill("#prompt-text", "When Mary")
+    page.click("#prompt-form button")
+    page.wait_for_selector("#notices:not([hidden])")
+    assert "padded after the text to 16 with 13" in page.inner_text("#notices")
+    boxes = page.locator("#prompt-tokens .prompt-token")
+    assert boxes.count() == 16 and page.locator("#prompt-tokens .prompt-token.pad").count() == 13
+    # the oracle: generate's greedy next token after the prompt's last real position
+    following = alpha_er.generate("When Mary", max_new_tokens=1, do_sample=False, return_type="str", verbose=False)
+    shown = boxes.nth(2).locator("small").first.inner_text()
+    assert following.startswith("When Mary") and shown.startswith(following[len("When Mary"):])
+
+
+def test_a_job_is_cancelled_from_the_page(page, served_app):
+    import threading
+
+    from hooked_models.progress import Step
+
+    explorer = served_app[1].state.explorer
+    started = threading.Event()
+
+    def endless(model, job):  # a job of a million batches, reporting each as the library's functions do
+        for done in range(10**6):
+            started.set()
+            job.report(Step(done, 10**6, "waiting", "batch"))
+            threading.Event().wait(0.01)
+
+    job = explorer.submit("endless", endless)["job"]
+    assert started.wait(30)
+    page.wait_for_selector(f"#queue .queued[data-id='{job}']")
+    assert "endless" in page.inner_text("#queue")
+    page.click(f"#queue .queued[data-id='{job}'] .cancel-job")
+    page.wait_for_selector("#queue", state="hidden")
+    assert explorer.queue.get(job).state == "cancelled"
+
+
+# ----------------------------------------------------------------------------------------------- pictures
+def _pixels(page, selector: str):
+    from PIL import Image
+
+    box = page.locator(selector).bounding_box()
+    return Image.open(io.BytesIO(page.screenshot(clip=box))).convert("RGB"), box
+
+
+def test_attention_draws_more_attention_darker_and_the_masked_keys_blank(page, arcee):
+    view(page, "attention")
+    page.click("#attention-form button")
+    page.wait_for_selector("#head-1-3")
+    page.click("#head-1-3")
+    page.wait_for_function("document.querySelector('#attention-plot .gtitle').textContent.includes('layer 1 head 3')")
+    page.mouse.move(2, 2)
+    _, cache = arcee.run_with_cache(PROMPT)
+    pattern = cache["layers.1.self_attn.attention_probabilities"][0, 3]
+    image, box = _pixels(page, "#attention-plot .nsewdrag")
+    n = pattern.shape[0]
+
+    def ink(query: int, key: int) -> int:  # darkness of the cell's centre (query 0 at the top)
+        x, y = (key + 0.5) * box["width"] / n, (query + 0.5) * box["height"] / n
+        return 765 - sum(image.getpixel((int(x), int(y))))
+
+    seen = [(q, k) for q in range(n) for k in range(q + 1)]
+    largest = max(seen, key=lambda qk: float(pattern[qk]))
+    smallest = min(seen, key=lambda qk: float(pattern[qk]))
+    assert ink(*largest) == max(ink(*qk) for qk in seen) and ink(*largest) > ink(*smallest)
+    assert ink(0, n - 1) == 0 and ink(3, 9) == 0  # future keys: blank (the white of the plot)
+    ticks = page.locator("#attention-plot .xtick text").all_inner_texts()
+    assert len(ticks) == n  # every token labelled
+
+
+@pytest.mark.parametrize("size", [(1400, 900), (1024, 768)], ids=["1400x900", "1024x768"])
+@pytest.mark.parametrize("graph", ["graph.json", "real_graph.json"])
+def test_no_two_graph_nodes_overlap(browser, base_url, errors, graph, size):
+    page = browser.new_page(viewport={"width": size[0], "height": size[1]})
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.goto(base_url)
+    page.wait_for_selector("#prompt-lens .heatmaplayer")
+    view(page, "graph")
+    page.fill("#graph-path", graph)
+    page.click("#graph-form button")
+    page.wait_for_selector("#graph-svg .node")
+    page.locator("#graph-threshold").fill("1")
+    marks = page.locator("#graph-svg .node").evaluate_all(
+        "nodes => nodes.map(n => { const b = n.getBBox(); return [b.x + b.width / 2, b.y + b.height / 2, b.width / 2]; })")
+    assert len(marks) == int(page.locator("#graph-count").get_attribute("data-nodes"))
+    for i, (x, y, r) in enumerate(marks):
+        for x2, y2, r2 in marks[i + 1:]:
+            assert ((x - x2) ** 2 + (y - y2) ** 2) ** 0.5 >= r + r2, "two nodes overlap"
+    assert errors == []
+    page.close()

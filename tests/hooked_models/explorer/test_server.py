@@ -100,9 +100,12 @@ def test_attention_equals_the_cache(client, alpha_client, arcee, alpha_er):
 def test_patching_job_equals_activation_patch(client, arcee, value, over):
     status = wait(client, client.post("/api/patch", json={**PAIR, "value": value, "over": over}).json())
     assert status["state"] == "done", status["error"]
-    result = patching.activation_patch(arcee, PROMPT, CORRUPTED, metric(arcee), value, over, progress=False)
+    result = patching.activation_patch(arcee, PROMPT, CORRUPTED, metric(arcee), value, over, progress=False,
+                                       position_labels=arcee.to_str_tokens(PROMPT))
     assert status["result"]["values"] == result.values.tolist()
     assert status["result"]["normalized"] == result.normalized().tolist()
+    # the job's progress was activation_patch's own, through progress=: every patch of the sweep counted
+    assert (status["done"], status["total"], status["unit"]) == (result.values.numel(),) * 2 + ("patch",)
     assert status["result"]["axes"] == list(result.axes) and status["result"]["labels"] == result.labels
     assert status["result"]["clean_metric"] == result.clean_metric > 5  # the answer flips: a real gap
     assert status["result"]["corrupted_metric"] == result.corrupted_metric < -5
@@ -156,7 +159,14 @@ def test_graph_file_opens_as_written(client, data_dir, arcee):
 def test_a_graph_attribute_wrote_opens_with_its_head_loadings(client, data_dir, real_graph, transcoders, arcee):
     written = json.loads((data_dir / "real_graph.json").read_text())
     opened = client.post("/api/graph", json={"path": "real_graph.json"}).json()
-    assert opened["nodes"] == [{**n} for n in written["nodes"]]
+    # the file's nodes, and what the server adds to name them: the served per-layer transcoders' kind, logits' text
+    added = ("feature_kind", "logit_token")
+    assert [{k: v for k, v in n.items() if k not in added} for n in opened["nodes"]] == written["nodes"]
+    for node in opened["nodes"]:
+        if node["feature_type"] == "cross layer transcoder":
+            assert node["feature_kind"] == "per-layer transcoder"  # the file's string says otherwise
+        if node["feature_type"] == "logit":
+            assert node["logit_token"] == arcee.to_str_tokens([node["feature"]])[0]
     assert [{k: v for k, v in link.items() if k != "heads"} for link in opened["links"]] == written["links"]
     # Each link's per-head split: for each attention layer it crosses, the heads' parts plus the part that
     # skips that layer are the link's weight (what attribute() guarantees, so a link matched to the wrong
@@ -184,7 +194,17 @@ def test_a_graph_attribute_wrote_opens_with_its_head_loadings(client, data_dir, 
 REFUSED = [
     ("/api/prompt", {"prompt": PROMPT, "answer": " Zebra"}, 400, "' Zebra' is not in the vocabulary"),
     ("/api/prompt", {"prompt": "   "}, 400, "the prompt is empty"),
-    ("/api/prompt", {"prompt": PROMPT, "top_k": 0}, 400, "top_k=0 is outside [1, 50]"),
+    # every size a request sets has a bound, named with the value in the 400 (requests.Limits)
+    ("/api/prompt", {"prompt": PROMPT, "top_k": 0}, 400, "top_k=0: Input should be greater than or equal to 1"),
+    ("/api/prompt", {"prompt": PROMPT, "top_k": 51}, 400, "top_k=51: Input should be less than or equal to 50"),
+    ("/api/prompt", {"prompt": "a " * 50_001}, 400, "prompt=100002 characters: String should have at most 100000"),
+    ("/api/circuit", {**PAIR, "steps": 100_000_000}, 400, "steps=100000000: Input should be less than or equal to 1000"),
+    ("/api/circuit", {**PAIR, "method": "magic"}, 400, "method='magic': Input should be 'eap-ig' or 'eap'"),
+    ("/api/features/search", {"harvest": "acts", "sae": "resid 1", "token": " Mary", "k": 51}, 400,
+     "k=51: Input should be less than or equal to 50"),
+    ("/api/features/dashboard", {"harvest": "acts", "sae": "resid 1", "feature": -1}, 400,
+     "feature=-1: Input should be greater than or equal to 0"),
+    ("/api/graph", {}, 400, "path: Field required"),
     ("/api/patch", {**PAIR, "wrong": " Zebra"}, 400, "' Zebra' is not in the vocabulary"),
     ("/api/patch", {**PAIR, "answer": " Mary Jane"}, 400, "' Mary Jane' is 2 tokens, not one"),
     ("/api/patch", {**PAIR, "corrupted": "When Mary and John went to the store, Mary gave a drink to"}, 400,
@@ -214,6 +234,33 @@ def test_bad_input_is_refused_and_the_server_serves_on(client, route, body, code
     assert client.get("/api/model").status_code == 200
 
 
+def test_a_sweep_over_its_bound_is_refused_before_it_runs(arcee, data_dir):
+    # The embedded model's largest sweep (2 layers x 16 positions x 256 neurons) is under the default bound:
+    # with a bound of 4096 patches it is refused, and no job is queued.
+    import dataclasses
+
+    app = create_app(arcee, [data_dir])
+    explorer = app.state.explorer
+    explorer.limits = dataclasses.replace(explorer.limits, patches=4096)
+    answer = TestClient(app).post("/api/patch", json={**PAIR, "value": "mlp_neurons", "over": ["layer", "seq", "neuron"]})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == ("the sweep of mlp_neurons over ['layer', 'seq', 'neuron'] is 8192 patches, "
+                                      "over the bound 4096: sweep fewer axes")
+    assert explorer.queue.jobs == {}
+    assert TestClient(app).post("/api/patch", json={**PAIR, "value": "mlp_neurons"}).status_code == 200  # 2 x 256
+
+
+def test_a_sibling_whose_name_starts_with_the_data_directory_is_outside_it(client, data_dir):
+    # data_evil/ beside data/: a string-prefix comparison of the paths would let it through
+    evil = data_dir.parent / f"{data_dir.name}_evil"
+    evil.mkdir(exist_ok=True)
+    (evil / "graph.json").write_text((data_dir / "graph.json").read_text())
+    for spelling in (str(evil / "graph.json"), f"../{evil.name}/graph.json"):
+        answer = client.post("/api/graph", json={"path": spelling})
+        assert answer.status_code == 403 and "outside the data directories" in answer.json()["error"], spelling
+    assert client.get("/api/files", params={"path": str(evil)}).status_code == 403
+
+
 def test_files_list_only_under_the_data_directories(client, data_dir):
     listed = client.get("/api/files", params={"path": str(data_dir)}).json()["entries"]
     kinds = {e["name"]: e["kind"] for e in listed}
@@ -235,13 +282,13 @@ def test_a_failing_job_reports_its_message(arcee, data_dir):
 
 
 def test_a_running_job_does_not_block_the_server(client):
-    # A job holding the model (here: waiting on an event) leaves every route that needs no model answering,
-    # and its status says it runs; once released, it finishes.
+    # A job running on the jobs' replica (here: waiting on an event) leaves every route answering, the
+    # model views too, and its status says it runs; once released, it finishes.
     import threading
 
     release = threading.Event()
     explorer = client.app.state.explorer
-    job = explorer.submit("wait", lambda job: release.wait(30) and "released")
+    job = explorer.submit("wait", lambda model, job: release.wait(30) and "released")
     for _ in range(100):
         if client.get(f"/api/jobs/{job['job']}").json()["state"] == "running":
             break
@@ -249,7 +296,8 @@ def test_a_running_job_does_not_block_the_server(client):
     assert client.get(f"/api/jobs/{job['job']}").json()["state"] == "running"
     assert client.get("/api/model").status_code == 200 and client.get("/api/files").status_code == 200
     assert client.post("/api/graph", json={"path": "graph.json"}).status_code == 200
-    assert not explorer.lock.acquire(blocking=False)  # the model is the job's meanwhile
+    assert client.post("/api/prompt", json={"prompt": PROMPT}).status_code == 200
+    assert [j["id"] for j in client.get("/api/jobs").json()["jobs"]] == [job["job"]]
     release.set()
     assert wait(client, job)["result"] == "released"
 

@@ -1,0 +1,197 @@
+"""The explorer under load and faults, on loopback, bounded in count and time: views answer while a job runs
+(they are not queued behind it), a cancelled job stops at its next batch leaving no hook and the model
+bit-identical, a queued job is cancelled before it starts, and SIGTERM or SIGINT stop the command line's
+server with a job running. Latencies are measured by benchmarks/explorer_load.py, never asserted here."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+
+from hooked_models.explorer import create_app  # noqa: E402
+from hooked_models.explorer.jobs import replica  # noqa: E402
+from hooked_models.progress import Step  # noqa: E402
+
+from .conftest import PROMPT, serve_in_thread  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def call(url: str, path: str, body: dict | None = None, method: str | None = None, timeout: float = 60) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def long_job(batches: int, hooked: list, started: threading.Event):
+    """A job of `batches` hooked forwards of PROMPT, reporting a Step after each, as the library's long
+    functions do: `batches` large enough, it would run for minutes. `hooked` records each batch's model."""
+
+    def work(model, job):
+        tokens = model.to_tokens(PROMPT)
+        mark = [("layers.0.layer_input", lambda value, hook: value * 1.0)]
+        for done in range(batches):
+            with torch.no_grad(), model.hooks(fwd_hooks=mark):
+                model(tokens)
+            hooked.append(model)
+            started.set()
+            job.report(Step(done + 1, batches, "forwards", "batch"))
+        return "finished"
+
+    return work
+
+
+def hooks_left(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def wait_for(predicate, what: str, rounds: int = 600):
+    for _ in range(rounds):
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {rounds * 0.05:.0f} s")
+
+
+def test_the_replica_shares_the_weights_and_not_the_hooks(arcee):
+    copy = replica(arcee)
+    assert [p.data_ptr() for p in copy.parameters()] == [p.data_ptr() for p in arcee.parameters()]
+    assert [b.data_ptr() for b in copy.buffers()] == [b.data_ptr() for b in arcee.buffers()]
+    fired = []
+    copy.hook_dict["layers.0.layer_input"].add_hook(lambda value, hook: fired.append(hook.name))
+    tokens = arcee.to_tokens(PROMPT)
+    assert torch.equal(arcee(tokens), copy(tokens)) and fired == ["layers.0.layer_input"]  # one call: the copy's
+    copy.reset_hooks()
+    assert hooks_left(arcee) == 0
+
+
+@pytest.fixture
+def served(arcee):
+    app = create_app(arcee)
+    url, server, thread = serve_in_thread(app)
+    yield url, app.state.explorer
+    app.state.explorer.queue.shutdown()
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_views_answer_while_a_job_runs_and_a_cancelled_job_leaves_the_model_as_it_was(served, arcee):
+    url, explorer = served
+    before = {name: tensor.clone() for name, tensor in arcee.state_dict().items()}
+    hooked, started = [], threading.Event()
+    job = explorer.submit("long", long_job(10**6, hooked, started))["job"]
+    assert started.wait(30)
+
+    # 5 clients, 10 interactive requests each (prompt, attention, the model): each answers, none after the job
+    answers, failures = [], []
+
+    def client(k: int):
+        for i in range(10):
+            path, body = [("/api/prompt", {"prompt": PROMPT}), ("/api/attention", {"prompt": PROMPT}),
+                          ("/api/model", None)][(k + i) % 3]
+            try:  # a view queued behind the job would wait for minutes: the timeout is a hang guard
+                answers.append((path, call(url, path, body, timeout=20), call(url, f"/api/jobs/{job}")["state"]))
+            except Exception as error:  # noqa: BLE001 - collected and reported below
+                failures.append(repr(error))
+                return
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(5)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(120)
+    assert failures == [] and len(answers) == 50
+    assert {state for _, _, state in answers} == {"running"}  # every one answered while the job ran
+    assert all(len(answer["tokens"]) == 16 for path, answer, _ in answers if path != "/api/model")
+    assert all(model is explorer.queue.model for model in hooked)  # the job ran on the replica, not the views' model
+
+    # a second job waits behind it, visibly, and is cancelled before it starts
+    second = explorer.submit("second", long_job(1, [], threading.Event()))["job"]
+    queue = call(url, "/api/jobs")["jobs"]
+    assert [(j["id"], j["state"], j["place"]) for j in queue] == [(job, "running", 0), (second, "queued", 1)]
+    assert call(url, f"/api/jobs/{second}", method="DELETE")["state"] == "cancelled"
+
+    # cancel the long one: it stops at its next batch, with no hook left on either model and the weights as before
+    at_cancel = len(hooked)
+    call(url, f"/api/jobs/{job}", method="DELETE")
+    wait_for(lambda: call(url, f"/api/jobs/{job}")["state"] == "cancelled", "the cancel")
+    assert len(hooked) <= at_cancel + 1
+    assert call(url, f"/api/jobs/{second}")["state"] == "cancelled" and call(url, "/api/jobs")["jobs"] == []
+    assert hooks_left(arcee) == 0 and hooks_left(explorer.queue.model) == 0
+    after = arcee.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    # the model is free: the next job runs at once and finishes
+    third = explorer.submit("after", long_job(2, [], threading.Event()))["job"]
+    wait_for(lambda: call(url, f"/api/jobs/{third}")["state"] == "done", "the next job")
+
+
+# The longest pair the embedded model takes (61 of its 64 positions), at the most steps a request may ask for.
+LONG = " ".join([PROMPT] * 4)
+PAIR = {"clean": LONG, "corrupted": LONG[: -len("John gave a drink to")] + "Mary gave a drink to", "answer": " Mary",
+        "wrong": " John", "method": "eap-ig", "steps": 1000}
+
+
+@pytest.fixture(scope="module")
+def one_job_seconds(arcee) -> float:
+    """How long one of the jobs below takes here, now (its edge attribution, run directly)."""
+    from hooked_models import circuits, patching
+
+    metric = patching.logit_diff_metric([arcee.to_single_token(" Mary")], [arcee.to_single_token(" John")])
+    began = time.perf_counter()
+    circuits.edge_attribution(arcee, arcee.to_tokens(PAIR["clean"]), arcee.to_tokens(PAIR["corrupted"]), metric,
+                              "eap-ig", PAIR["steps"])
+    return time.perf_counter() - began
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_command_line_stops_on_a_signal_with_a_job_running(stop, one_job_seconds):
+    # Three EAP-IG jobs of 1000 steps on 61 positions queued. The server stops at the signal, cancelling them:
+    # before the running one could have finished, let alone the queue (how long the stop took is
+    # benchmarks/explorer_load.py's figure, not an assertion).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen([sys.executable, "-m", "hooked_models", "explore", "--port", str(port)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "explorer on http://127.0.0.1" in server.stdout.readline()
+        url = f"http://127.0.0.1:{port}"
+        jobs = [call(url, "/api/circuit", PAIR)["job"] for _ in range(3)]
+        wait_for(lambda: call(url, f"/api/jobs/{jobs[0]}")["state"] == "running", "the first job's start")
+        # a view in flight when the signal comes, as the page's requests are: it must not hold the stop up
+        view = threading.Thread(target=call_fails, args=(url, "/api/prompt", {"prompt": PROMPT}), daemon=True)
+        view.start()
+        time.sleep(0.2)
+        began = time.perf_counter()
+        server.send_signal(stop)
+        server.wait(timeout=120)  # a hang guard
+        stopped = time.perf_counter() - began
+        assert stopped < one_job_seconds, f"stopped after {stopped:.1f} s; one job takes {one_job_seconds:.1f} s"
+        assert all(call_fails(url, f"/api/jobs/{job}") for job in jobs)  # nothing answers: it has stopped
+        assert server.returncode in (0, 130, -stop), server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def call_fails(url: str, path: str, body: dict | None = None) -> bool:
+    try:
+        call(url, path, body)
+    except OSError:
+        return True
+    return False

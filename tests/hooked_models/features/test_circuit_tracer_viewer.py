@@ -1,0 +1,151 @@
+"""Our feature files in circuit-tracer's own tools: they validate against its pydantic `Model`
+(`frontend/feature_models.py`, in the side environment .ci/ct-env), and its local viewer (its `serve`, run
+there) opens a graph of ours with them: in Debian's chromium through Playwright, a clicked feature node
+shows our top windows and quantile examples, and our label.
+
+The viewer loads its scripts from CDNs, which cannot be reached here. The test routes those requests to
+copies from npm packages (.ci/viewer-libs.sh installs them): d3 from d3 v7, dagre and pako from theirs.
+The helper library (transformer-circuits.pub's jetpack build) has no npm package: it is stubbed by the
+published d3-jetpack with d3-collection (whose `nest` its `nestBy` needs) and `JETPACK_SHIM` below, the
+three things the viewer calls that d3-jetpack lacks. The hot-reload client (development only) and the
+.npy reader (graph files are JSON) are stubbed empty. circuit-tracer's files are never edited."""
+
+# What transformer-circuits.pub's jetpack adds to d3-jetpack's `conventions` and the viewer uses.
+JETPACK_SHIM = """
+(function () {
+  var conventions = d3.conventions
+  d3.conventions = function (options) {
+    var c = conventions(options)
+    c.drawAxis = function () { return d3.drawAxis(c) }
+    c.totalWidth = c.width + c.margin.left + c.margin.right
+    c.totalHeight = c.height + c.margin.top + c.margin.bottom
+    return c
+  }
+})()
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hooked_models import features
+
+from ..explorer.conftest import PROMPT, alpha_er, arcee, data_dir, real_graph, sae, transcoders  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[3]
+CT_PYTHON = ROOT / ".ci" / "ct-env" / "bin" / "python"
+LIBS = ROOT / ".ci" / "viewer-libs" / "node_modules"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_ct = pytest.mark.skipif(not CT_PYTHON.exists(), reason="no circuit-tracer side environment (.ci/ct-env.sh)")
+
+
+@pytest.fixture(scope="module")
+def labelled_graph(tmp_path_factory, arcee, data_dir, transcoders, real_graph):
+    """A graph of PROMPT through the explorer tests' transcoders, written with their statistics over the
+    explorer tests' harvest, and one user label."""
+    stats = features.statistics(data_dir / "acts", transcoders, model=arcee, k=4, radius=3, progress=False)
+    out = tmp_path_factory.mktemp("ct-viewer")
+    node = next(n for n in json.loads(real_graph.to_json(out / "plain.json").read_text())["nodes"]
+                if n["feature_type"] == "cross layer transcoder")
+    layer, feature = int(node["layer"]), int(node["node_id"].split("_")[1])
+    (out / "labels.csv").write_text(f"layer,feature,label\n{layer},{feature},my own label\n")
+    (out / "plain.json").unlink()
+    path = real_graph.to_json(out / "ioi.json", features=stats, labels=out / "labels.csv")
+    return out, path, stats, (layer, feature)
+
+
+@needs_ct
+def test_feature_files_validate_against_circuit_tracers_model(labelled_graph):
+    out, path, stats, _ = labelled_graph
+    files = sorted((out / "features" / "ioi").glob("*.json"))
+    graph = json.loads(path.read_text())
+    wanted = {n["feature"] for n in graph["nodes"] if n["feature_type"] == "cross layer transcoder"}
+    assert {int(f.stem) for f in files} == wanted and files
+    check = ("import json, sys\nfrom circuit_tracer.frontend.feature_models import Model\n"
+             "for f in sys.argv[1:]:\n    Model.model_validate(json.load(open(f)))\nprint(len(sys.argv) - 1)")
+    done = subprocess.run([str(CT_PYTHON), "-c", check, *map(str, files)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == str(len(files)), done.stderr
+    data = json.loads(files[0].read_text())
+    layer_index, feature = data["transcoder_id"], data["index"]
+    layer = stats[int(layer_index.removeprefix("layer_"))]
+    assert data["examples_quantiles"][0]["examples"][0]["tokens"] == layer.top_windows(feature)[0].tokens
+    assert data["act_max"] == float(layer.partial.act_max[feature])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_ct
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not (LIBS / "d3-collection").is_dir():
+        installed = subprocess.run(["bash", str(ROOT / ".ci" / "viewer-libs.sh")], capture_output=True, text=True)
+        if installed.returncode:
+            pytest.skip(f"the viewer's scripts could not be installed from npm: {installed.stderr[-300:]}")
+    out, path, stats, (layer, feature) = labelled_graph
+    port = _free_port()
+    serve = ("import sys, time\nfrom circuit_tracer.frontend.local_server import serve\n"
+             "serve(data_dir=sys.argv[1], port=int(sys.argv[2]))\nwhile True: time.sleep(1)")
+    server = subprocess.Popen([str(CT_PYTHON), "-c", serve, str(out), str(port)], stderr=subprocess.PIPE)
+    routes = {"d3.js": LIBS / "d3/dist/d3.min.js", "dagre.min.js": LIBS / "dagre/dist/dagre.min.js",
+              "pako.min.js": LIBS / "pako/dist/pako.min.js"}
+    jetpack = "\n".join([(LIBS / "d3-collection/dist/d3-collection.min.js").read_text(),
+                         (LIBS / "d3-jetpack/build/d3-jetpack.js").read_text(), JETPACK_SHIM])
+    stubs = {"jetpack_2024-07-20.js": jetpack,
+             "hotserver-client-ws.js": "/* stub: the development hot-reload client */",
+             "npy_v0.js": "/* stub: no .npy files here */ window.npyjs = {parse() { throw 'no npy' }}"}
+
+    def route(r):
+        name = r.request.url.split("/")[-1]
+        if name in routes:
+            return r.fulfill(path=str(routes[name]), content_type="application/javascript")
+        if name in stubs:
+            return r.fulfill(body=stubs[name], content_type="application/javascript")
+        return r.abort()
+
+    errors: list[str] = []
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route(lambda url: not url.startswith(f"http://localhost:{port}"), route)
+            page.goto(f"http://localhost:{port}/index.html?slug=ioi")
+            page.wait_for_selector("text.node", timeout=90_000)  # the server gzips the graph first
+            nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
+            wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
+                          and node_id.startswith(f"{layer}_{feature}_"))
+            page.locator("text.node").nth(wanted).click(force=True)
+            page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
+            listed = page.inner_text(".feature-example-list")
+            clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+            page.screenshot(path=str(tmp_path / "circuit-tracer-viewer.png"))
+            if shot := os.environ.get("FEATURES_SCREENSHOTS"):
+                page.screenshot(path=str(Path(shot) / "circuit-tracer-viewer.png"))
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    top = stats[layer].top_windows(feature)[0]
+    assert "Top activations" in listed and "Subsample interval 0" in listed
+    # our window's tokens, as the viewer shows them (its own whitespace rendering aside)
+    assert all(token.strip() in listed for token in top.tokens if token.strip())
+    assert clerps == ["my own label"]  # the user's label, as the clicked node's clerp
+    assert not errors, errors
