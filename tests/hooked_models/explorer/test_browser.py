@@ -328,7 +328,7 @@ def test_a_head_loading_clicked_shows_its_qk_attributions(page, data_dir, real_g
     page.wait_for_selector("#graph-svg .node")
     page.locator("#graph-threshold").fill("1")
     page.locator(f"#graph-svg .node[data-id='{target}']").dispatch_event("click")
-    page.locator("#graph-detail table.source tr.link", has_text=source).first.click()
+    page.locator(f"#graph-detail table.source tr.link[data-id='{source}']").first.click()
     page.locator(f"#graph-heads tr.head[data-head='layers.{layer}.self_attn.head.{head}']").click()
     text = page.inner_text("#graph-qk")
     entry = next(e for e in written["qk_attributions"] if (e["layer"], e["head"]) == (layer, head))
