@@ -2,6 +2,8 @@
 
     python benchmarks/attribution.py --threads 1                 # embedded models and a random 8 x 1024 Arcee
     python benchmarks/attribution.py --afm                       # AFM-4.5B's shape (~9.3 GB in /tmp, ~14 GB RAM)
+    python benchmarks/attribution.py --files                     # graph files' sizes at 25, 500, 5,000 nodes
+    python benchmarks/attribution.py --scale                     # 8 x 1024 Arcee, 64 tokens, 2,048 features, QK
 
 Each run is one `attribute(model, prompt, transcoders, ...)`: CPU seconds of this process, wall seconds,
 and the peak resident memory during the call (the kernel's high-water mark, reset before each call
@@ -10,7 +12,8 @@ the embedded Arcee and alpha-er with their shipped transcoders (all features, he
 random 8-layer, 1024-wide GQA Arcee (the benchmarks' shape) with random TopK transcoders (k features
 per layer and position, so the feature count is layers x positions x k), head loadings off. `--afm`:
 the synthetic AFM-4.5B checkpoint of benchmarks/load_4_5b.py in bfloat16 with per-layer transcoders of
-8,192 random features (bfloat16), a 16-token prompt; target peak RSS <= 1.5x checkpoint + transcoders.
+8,192 random features (bfloat16), a 32-token prompt, 512 features, head loadings and QK for the pruned
+graph; target peak RSS <= 1.5x checkpoint + transcoders.
 Results go to benchmarks/results/attribution.json (--afm: attribution_afm.json), which
 benchmarks/figures.py renders into the READMEs.
 """
@@ -49,7 +52,10 @@ def measure(model, tokens, transcoders, **kwargs) -> dict:
     graph = attribute(model, tokens, transcoders, **kwargs)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     peak = memory("VmHWM")
-    return {"seq": int(tokens.shape[-1]), "features": graph.n_features, "nodes": graph.n_nodes,
+    attention = {} if graph.loading_edges is None else {
+        "loading_edges": len(graph.loading_edges), "qk_tables": len(graph.qk_tables or {}),
+        "kept_nodes": int(graph.prune(kwargs.get("node_threshold", 0.8), kwargs.get("edge_threshold", 0.98)).node_mask.sum())}
+    return {"seq": int(tokens.shape[-1]), "features": graph.n_features, "nodes": graph.n_nodes, **attention,
             "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "rss_before_bytes": before, "peak_rss_bytes": peak,
             "peak_increase_bytes": peak - before, **{k: v for k, v in kwargs.items() if k != "progress"}}
 
@@ -96,8 +102,10 @@ def random_arcee_runs(seqs: list[int], budgets: list[int | None], all_up_to: int
             record("random_arcee", {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result})
 
 
-def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int) -> dict:
-    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders, one 16-token prompt."""
+def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int, seq: int = 32,
+            head_loadings: str | bool = "pruned") -> dict:
+    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders, one `seq`-token prompt, head
+    loadings and QK for the pruned graph (unless `head_loadings` is False)."""
     from benchmarks.load_4_5b import write_checkpoint
     from hooked_models.families.arcee import AFM_4_5B
 
@@ -112,8 +120,8 @@ def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int
         for p in transcoders.parameters():
             p.requires_grad_(False)
         transcoder_bytes = sum(p.numel() * p.element_size() for p in transcoders.parameters())
-        result = measure(model, random_tokens(model, 16), transcoders, max_feature_nodes=max_feature_nodes,
-                         batch_size=batch_size, head_loadings=False)
+        result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes,
+                         batch_size=batch_size, head_loadings=head_loadings)
         budget = checkpoint_bytes + transcoder_bytes
         return {"model": "AFM-4.5B shape (synthetic, bfloat16)", "d_transcoder": 8192, "k": 32,
                 "checkpoint_bytes": checkpoint_bytes, "transcoder_bytes": transcoder_bytes,
@@ -124,13 +132,82 @@ def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def scale_run(seq: int = 64, max_feature_nodes: int = 2048, d_transcoder: int = 4096, k: int = 16) -> dict:
+    """The random 8 x 1024 Arcee at `seq` tokens, `max_feature_nodes` features, head loadings and QK for the
+    pruned graph on: time per phase (from `progress=`), peak memory, the kept graph's size."""
+    from transformers import ArceeForCausalLM
+
+    shape = argparse.Namespace(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2, head_dim=128)
+    torch.manual_seed(0)
+    model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
+    transcoders = random_transcoders(model, d_transcoder, k)
+    phases: dict[str, float] = {}
+    clock = {"phase": None, "at": time.process_time()}
+
+    def progress(step) -> None:
+        now = time.process_time()
+        if clock["phase"] is not None:
+            phases[clock["phase"]] = phases.get(clock["phase"], 0.0) + now - clock["at"]
+        clock.update(phase=step.phase, at=now)
+
+    result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes,
+                     head_loadings="pruned", qk=16, progress=progress)
+    return {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k,
+            "phase_cpu_s": {name: round(value, 2) for name, value in phases.items()}, **result}
+
+
+def file_sizes(targets: list[int], seq: int = 64) -> list[dict]:
+    """Graph files of pruned graphs of about `targets` nodes (the embedded Arcee, a `seq`-token prompt,
+    1,024-wide random JumpReLU transcoders): the JSON's bytes (what a viewer loads), the side file's, the
+    seconds to parse the JSON, and the unpruned adjacency written as JSON text (what the file carried before)."""
+    import json
+    import tempfile
+
+    from benchmarks.circuit_tracer_compare import PROMPT, continued, jumprelu_transcoders
+
+    model = load_model("embedded", "arcee")
+    transcoders = jumprelu_transcoders(model, 1024, 0)
+    tokens = continued(model.to_tokens(PROMPT), seq, model.cfg.vocab_size, 0)
+    whole = attribute(model, tokens, transcoders, head_loadings=False)
+    # The unpruned adjacency as JSON text (what the file used to carry), from a sample's bytes per entry.
+    flat = whole.adjacency_matrix.flatten()
+    sample = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:100_000]]
+    dense_json = int(len(json.dumps(sample.tolist())) / sample.numel() * flat.numel())
+    rows = []
+    for target in targets:
+        low, high = 0.0, 1.0  # the node threshold that keeps about `target` nodes
+        for _ in range(30):
+            mid = (low + high) / 2
+            low, high = (mid, high) if int(whole.prune(mid, 0.98).node_mask.sum()) < target else (low, mid)
+        graph = attribute(model, tokens, transcoders, node_threshold=high, qk=16)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = graph.prune(high, 0.98).to_json(Path(tmp) / "graph.json")
+            side = path.with_name("graph.tensors.safetensors")
+            start = time.perf_counter()
+            data = json.loads(path.read_text())
+            parse = time.perf_counter() - start
+            rows.append({"target_nodes": target, "nodes": int(graph.prune(high, 0.98).node_mask.sum()),
+                         "json_nodes": len(data["nodes"]), "json_links": len(data["links"]),
+                         "loading_edges": len(graph.loading_edges), "qk_tables": len(graph.qk_tables),
+                         "json_bytes": path.stat().st_size, "side_bytes": side.stat().st_size,
+                         "json_parse_s": round(parse, 4), "graph_nodes": graph.n_nodes,
+                         "unpruned_adjacency_as_json_bytes": dense_json})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--afm", action="store_true", help="only the AFM-4.5B-shape run")
+    parser.add_argument("--files", action="store_true", help="only the graph files' sizes (25, 500, 5,000 nodes)")
+    parser.add_argument("--scale", action="store_true",
+                        help="only the 8 x 1024 Arcee at 64 tokens, 2,048 features, head loadings and QK on")
     parser.add_argument("--afm-dir", type=Path, default=Path("/tmp/afm_4_5b_attribution"))
     parser.add_argument("--keep", action="store_true", help="keep the AFM checkpoint")
-    parser.add_argument("--afm-features", type=int, default=64, help="max_feature_nodes of the AFM run")
+    parser.add_argument("--afm-features", type=int, default=512, help="max_feature_nodes of the AFM run")
+    parser.add_argument("--afm-seq", type=int, default=32, help="the AFM run's prompt length")
+    parser.add_argument("--afm-no-heads", action="store_true", help="the AFM run without head loadings and QK")
     parser.add_argument("--batch-size", type=int, default=16, help="the AFM run's targets per backward pass")
     parser.add_argument("--seqs", type=int, nargs="+", default=[8, 16, 32], help="random Arcee prompt lengths")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 0],
@@ -142,9 +219,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.scale:
+        Results("attribution_scale").save(scale_run())
+        return
+    if args.files:
+        Results("attribution_files").save({"model": "embedded Arcee, 64 tokens, 1,024-wide JumpReLU",
+                                           "files": file_sizes([25, 500, 5000])})
+        return
     if args.afm:
         results = Results("attribution_afm")
-        figures = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size)
+        figures = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size, args.afm_seq,
+                          False if args.afm_no_heads else "pruned")
         print(figures, flush=True)
         results.save(figures)
         return

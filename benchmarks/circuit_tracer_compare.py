@@ -169,10 +169,10 @@ def compare(ours, theirs: dict) -> dict:
 
 def side_by_side(model, prompt: str, d_transcoder: int, *, checkpoint: Path | None = None, threshold: float = 1.3,
                  batch_size: int = 64, rounds: int = 5, desired_logit_prob: float = 0.95, threads: int | None = None,
-                 seed: int = 0, side_python: Path = SIDE_PYTHON) -> dict:
+                 seed: int = 0, side_python: Path = SIDE_PYTHON, seq: int | None = None) -> dict:
     """One case: random JumpReLU transcoders of width `d_transcoder` for `model`, loaded by circuit-tracer
-    from `checkpoint` (default: the embedded Arcee's directory), its graph of `prompt` from the side
-    environment, ours here, compared and timed."""
+    from `checkpoint` (default: the embedded Arcee's directory), its graph of `prompt` (continued to `seq`
+    tokens by random ones, seeded, where given) from the side environment, ours here, compared and timed."""
     from hooked_models.attribution import attribute
     from hooked_models.embedded import embedded_checkpoint
 
@@ -184,6 +184,7 @@ def side_by_side(model, prompt: str, d_transcoder: int, *, checkpoint: Path | No
     if int(tokens[0, 0]) != model.tokenizer.bos_token_id:
         raise ValueError(f"the prompt's tokens start with {int(tokens[0, 0])}, not BOS: circuit-tracer would "
                          "prepend one")
+    tokens = continued(tokens, seq, model.cfg.vocab_size, seed)
     transcoders = jumprelu_transcoders(model, d_transcoder, seed, threshold)
     with tempfile.TemporaryDirectory() as tmp:
         transcoders.save(Path(tmp) / "transcoders")
@@ -211,6 +212,14 @@ def side_by_side(model, prompt: str, d_transcoder: int, *, checkpoint: Path | No
     )
     figures["circuit_tracer_versions"] = theirs["versions"]
     return figures
+
+
+def continued(tokens: torch.Tensor, seq: int | None, vocab: int, seed: int) -> torch.Tensor:
+    """The prompt's [1 seq] tokens continued to `seq` by random ones (ids 3 on: no special token)."""
+    if seq is None or seq <= tokens.shape[1]:
+        return tokens
+    extra = torch.randint(3, vocab, (1, seq - tokens.shape[1]), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([tokens, extra], 1)
 
 
 def random_arcee(directory: Path, tokenizer, seed: int = 0):
@@ -241,6 +250,8 @@ def main() -> None:
     parser.add_argument("--side-python", type=Path, default=SIDE_PYTHON,
                         help="the side environment's python (default: %(default)s)")
     parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[16, 64],
+                        help="prompt lengths, one case each: the prompt continued by random tokens (default: %(default)s)")
     parser.add_argument("--d-transcoder", type=int, nargs="+", default=[256, 1024],
                         help="transcoder widths, one case each (default: %(default)s)")
     parser.add_argument("--random-width", type=int, default=4096,
@@ -271,11 +282,12 @@ def main() -> None:
     cases = []
 
     def run(label: str, model, width: int, **kwargs) -> None:
-        case = side_by_side(model, args.prompt, width, batch_size=args.batch_size, rounds=args.rounds,
-                            desired_logit_prob=args.desired_logit_prob, threads=args.threads, seed=args.seed,
-                            side_python=args.side_python, **kwargs)
-        cases.append({"model": label, **case})
-        print(f"{label}, d_transcoder {width}: {json.dumps(case, indent=1)}")
+        for seq in args.seqs:
+            case = side_by_side(model, args.prompt, width, batch_size=args.batch_size, rounds=args.rounds,
+                                desired_logit_prob=args.desired_logit_prob, threads=args.threads, seed=args.seed,
+                                side_python=args.side_python, seq=seq, **kwargs)
+            cases.append({"model": label, "tokens": seq, **case})
+            print(f"{label}, d_transcoder {width}, {seq} tokens: {json.dumps(case, indent=1)}")
 
     for width in args.d_transcoder:
         run("embedded Arcee (2 layers, hidden 64)", embedded, width)

@@ -432,11 +432,11 @@ def afm_attribution_table() -> str:
 def circuit_tracer_table() -> str:
     r = load("circuit_tracer_compare")
     f = r["figures"]
-    lines = ["| model | transcoders | features (nodes compared) | edges | max \\|diff\\| / max \\|edge\\| | "
+    lines = ["| model | transcoders | tokens | features (nodes compared) | edges | max \\|diff\\| / max \\|edge\\| | "
              "activations max \\|diff\\| | hooked_models | circuit-tracer | circuit-tracer / ours |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in f["cases"]:
-        head = f"| {c['model']} | {c['d_transcoder']} JumpReLU + skip |"
+        head = f"| {c['model']} | {c['d_transcoder']} JumpReLU + skip | {c.get('tokens', f['tokens'])} |"
         if not c["node_sets_equal"]:
             lines.append(f"{head} node sets differ | | | | | | |")
             continue
@@ -447,8 +447,8 @@ def circuit_tracer_table() -> str:
     first = f["cases"][0]
     versions = first["circuit_tracer_versions"]
     return "\n".join(lines + ["", f"Measured {when(r)}; circuit-tracer {versions['circuit-tracer']}, nnsight "
-                                   f"{versions['nnsight']}, transformers {versions['transformers']}; {f['tokens']} "
-                                   f"tokens, {len(first['logit_tokens'])} logits, batch {f['batch_size']}, median of "
+                                   f"{versions['nnsight']}, transformers {versions['transformers']}; the prompt's {f['tokens']} "
+                                   f"tokens continued by random ones, {len(first['logit_tokens'])} logits, batch {f['batch_size']}, median of "
                                    f"{f['rounds']} calls after a warm-up."])
 
 
@@ -483,6 +483,35 @@ def transcoder_training_text() -> str:
             f"{x1['peak_rss_bytes'] / 1e6:.0f} MB and {x10['peak_rss_bytes'] / 1e6:.0f} MB ({t['rss']:.2f}x): it counts\n"
             "the file pages of the memory-mapped dataset that the random row reads brought in, page cache the kernel\n"
             f"reclaims under pressure, not memory the trainer holds. Measured {when(r)}; one thread.")
+
+
+def attribution_files_table() -> str:
+    """docs/guide/attribution-at-scale.md's graph files: one row per pruned graph size."""
+    r = load("attribution_files")
+    f = r["figures"]
+    lines = ["| nodes kept | links | head-loaded edges | QK tables | JSON (the viewer's) | its parse | side file "
+             "(safetensors) | the unpruned adjacency as JSON text |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in f["files"]:
+        lines.append(f"| {row['nodes']:,} | {row['json_links']:,} | {row['loading_edges']:,} | {row['qk_tables']} | "
+                     f"{row['json_bytes'] / 1e6:.2f} MB | {ms(row['json_parse_s'])} | {row['side_bytes'] / 1e6:.1f} MB | "
+                     f"{row['unpruned_adjacency_as_json_bytes'] / 1e6:.0f} MB |")
+    return "\n".join(lines + ["", f"{f['model']}, graphs of {f['files'][0]['graph_nodes']:,} nodes pruned to each size; "
+                                   f"measured {when(r)}."])
+
+
+def attribution_scale_table() -> str:
+    """docs/guide/attribution-at-scale.md's scale run: the 8 x 1024 Arcee, head loadings and QK on."""
+    r = load("attribution_scale")
+    f = r["figures"]
+    phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in f["phase_cpu_s"].items())
+    rows = [("model; transcoders", f"{f['model']}; {f['d_transcoder']:,} TopK features per layer (k {f['k']})"),
+            ("prompt; features (`max_feature_nodes`); nodes", f"{f['seq']} tokens; {f['features']:,}; {f['nodes']:,}"),
+            ("kept (pruned 0.8 / 0.98): nodes; edges with head loadings; QK tables",
+             f"{f['kept_nodes']:,}; {f['loading_edges']:,}; {f['qk_tables']}"),
+            ("time", f"{f['cpu_s']:.0f} CPU s ({phases}), {f['wall_s']:.0f} s wall"),
+            ("peak resident during `attribute`", f"{f['peak_rss_bytes'] / 1e9:.2f} GB ({f['peak_increase_bytes'] / 1e9:.2f} GB "
+             "above the model and transcoders)")]
+    return key_value_table(rows, r)
 
 
 def explorer_load_table() -> str:
@@ -590,6 +619,8 @@ PARTS = {
     "transcoders": transcoder_training_text,
     "transcoders-memory": transcoder_memory,
     "circuit-tracer-sentence": circuit_tracer_sentence,
+    "attribution-files": attribution_files_table,
+    "attribution-scale": attribution_scale_table,
     "explorer-load": explorer_load_table,
 
 

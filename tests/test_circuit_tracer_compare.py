@@ -61,8 +61,9 @@ def test_compare_reconciles_position_0_and_finds_a_changed_edge_or_node(model):
 
 @pytest.mark.skipif(not ct.SIDE_PYTHON.exists(), reason=f"no side environment at {ct.SIDE_PYTHON} "
                     "(bash .ci/ct-env.sh builds it: circuit-tracer 0.5.0, transformers 4.57)")
-def test_same_graph_as_circuit_tracer_on_the_embedded_arcee(model):
-    figures = ct.side_by_side(model, ct.PROMPT, 128, batch_size=32, rounds=1, desired_logit_prob=0.99999)
+@pytest.mark.parametrize("seq", [None, 64])
+def test_same_graph_as_circuit_tracer_on_the_embedded_arcee(model, seq):
+    figures = ct.side_by_side(model, ct.PROMPT, 128, batch_size=32, rounds=1, desired_logit_prob=0.99999, seq=seq)
     assert figures["node_sets_equal"], figures
     assert len(figures["logit_tokens"]) == 10 and figures["features"] > 100
     assert figures["their_position_0_error_columns_zero"]

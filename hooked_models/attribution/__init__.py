@@ -2,7 +2,9 @@
 
     graph = attribute(model, prompt, transcoders)        # every active feature, error, embedding, top logits
     graph.adjacency_matrix[target, source]              # direct effects in the linearised replacement model
-    graph.head_loadings[target, source, layer, head]    # the part of an edge that passes each attention head
+    graph.edge_loadings(target, source)                 # a kept edge split over each layer's heads
+    graph.qk(layer, head, query_pos, key_pos)           # why that head attended there: (query, key) pairs
+    attribute(model, prompt, transcoders, targets=[(" Mary", " John")])   # a logit difference
     pruned = graph.prune(node_threshold=0.8, edge_threshold=0.98)
     pruned.scores()                                     # (replacement score, completeness score)
     pruned.to_json("graph.json"); pruned.plot("graph.png"); AttributionGraph.from_json("graph.json")
@@ -10,13 +12,19 @@
 
 Laid out as circuit-tracer's `attribution/` and `graph.py`, one concern per module, each importing only
 those listed after it (the contract in pyproject.toml): attribute (`attribute`) | intervention
-(`feature_intervention`); graph (nodes, pruning, scores) | targets (the rows' input directions);
-export (graph files, the drawing) | replacement (the replacement model and its freezing).
+(`feature_intervention`, `feature_intervention_generate`); attention (per-head loadings and QK, from one
+decomposition); graph (nodes, pruning, scores) | heads (the loadings' reader) | decomposition (the
+forward decomposition of the residual stream) | targets (output nodes, the rows' input directions);
+export (graph files, the drawing); qk (the QK reader and its tables) | replacement (the replacement
+model and its freezing).
 """
 
 from hooked_models.attribution.attribute import attribute
 from hooked_models.attribution.export import FEATURE_TYPES
 from hooked_models.attribution.graph import AttributionGraph
-from hooked_models.attribution.intervention import feature_intervention
+from hooked_models.attribution.intervention import feature_intervention, feature_intervention_generate
+from hooked_models.attribution.qk import QKTable
+from hooked_models.attribution.targets import CustomTarget
 
-__all__ = ["FEATURE_TYPES", "AttributionGraph", "attribute", "feature_intervention"]
+__all__ = ["FEATURE_TYPES", "AttributionGraph", "CustomTarget", "QKTable", "attribute", "feature_intervention",
+           "feature_intervention_generate"]

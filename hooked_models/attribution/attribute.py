@@ -5,8 +5,8 @@ circuit-tracer). The weight of an edge is the direct effect of its source on its
 in the linear replacement model (hooked_models/attribution/replacement.py): the target's input direction
 (an encoder column; a logit minus the mean logit) backpropagated to where the source writes, dotted with
 what it writes (activation x decoder row; the error; the embedding). Each batched backward pass computes
-the rows of `batch_size` targets at once, on as many copies of the prompt, so a graph costs one forward
-and (targets / batch_size) backward passes, never one pass per edge.
+the rows of `batch_size` targets at once (batched gradients over one frozen forward), so a graph
+costs one forward and (targets / batch_size) backward passes, never one pass per edge.
 """
 
 from collections.abc import Sequence
@@ -14,39 +14,16 @@ from collections.abc import Sequence
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm import tqdm
 
+from hooked_models.attribution.attention import split_attention
 from hooked_models.attribution.graph import AttributionGraph, normalized_abs
 from hooked_models.attribution.replacement import Prompt, Replica, check_prompt, prompt_tokens, transcoder_names
-from hooked_models.attribution.targets import Target, directions, target_rows
-
-
-def _head_parts(replica: Replica, targets: Sequence[Target], n_heads: int, columns: Tensor, rows: Tensor,
-                loadings: Tensor, skips: Tensor) -> None:
-    """Write the targets' per-head loadings and skips over the source `columns` into `loadings[rows]`
-    and `skips[rows]`: per attention layer, one backward pass per head (that head alone let through)
-    and one with none let through (the part that skips the layer). Nothing wider than one pass's rows
-    [target source] is held besides the graph's own tensors."""
-    grad_inputs, grad_logits = directions(replica, targets)
-    device, n, k = replica.logits.device, len(targets), len(columns)
-    for layer, holder in replica.gates.items():
-        try:
-            for head in range(n_heads, -1, -1):  # head n_heads first: none let through, the skip
-                holder.gate = torch.zeros(n_heads, 1, device=device)
-                if head < n_heads:
-                    holder.gate[head] = 1
-                part = replica.columns(grad_inputs, grad_logits)[:n, columns].cpu()
-                if head == n_heads:
-                    skips[rows, :k, layer] = part.to(skips.dtype)
-                else:
-                    # A pass letting head h through also carries what skips the layer: counted once, apart.
-                    loadings[rows, :k, layer, head] = (part - skips[rows, :k, layer].to(part.dtype)).to(loadings.dtype)
-        finally:
-            holder.gate = None
+from hooked_models.attribution.targets import OutputTarget, Target, resolve, target_rows
+from hooked_models.progress import ProgressArg, tracker
 
 
 def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
-                     batch_size) -> None:
+                     batch_size, head_loadings) -> None:
     check_prompt(model, tokens, transcoders)
     if max_feature_nodes is not None and (isinstance(max_feature_nodes, bool) or not isinstance(max_feature_nodes, int)
                                           or max_feature_nodes < 1):
@@ -57,112 +34,183 @@ def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desi
     for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
+    if head_loadings not in (True, False, "pruned", "all"):
+        raise ValueError(f"head_loadings={head_loadings!r} must be 'pruned', 'all' or False")
 
 
-def attribute(model, prompt, transcoders, *, max_feature_nodes: int | None = None, desired_logit_prob: float = 0.95,
-              max_n_logits: int = 10, batch_size: int = 32, progress: bool = False,
-              head_loadings: bool = True) -> AttributionGraph:
+def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: int | None = None,
+              desired_logit_prob: float = 0.95, max_n_logits: int = 10, batch_size: int = 32,
+              head_loadings: bool | str = "pruned", qk: int | Sequence[tuple[int, int, int, int]] = 16,
+              node_threshold: float = 0.8, edge_threshold: float = 0.98,
+              progress: ProgressArg = False) -> AttributionGraph:
     """The attribution graph of `prompt` (text or token ids) through `transcoders` (a TranscoderSet or
     CrossLayerTranscoder trained for `model`): see the module docstring.
 
-    `max_feature_nodes`: compute the rows of at most this many features, chosen as circuit-tracer
-    chooses them (by their influence on the logits, estimated from the rows computed so far, in
-    batches); the others are not nodes. `batch_size`: targets per backward pass (and copies of the
-    prompt held for them). `head_loadings`: also split every edge over each attention layer's heads
-    (one more backward pass per head and layer, plus one per layer, for the graph's rows only).
+    `targets`: the output nodes (hooked_models/attribution/targets.py: token ids or strings, (a, b) logit
+    differences, `CustomTarget`s); None: the most probable next tokens up to `desired_logit_prob`, at
+    most `max_n_logits` (circuit-tracer's salient logits). `max_feature_nodes`: compute the rows of at
+    most this many features, chosen as circuit-tracer chooses them (by their influence on the outputs,
+    estimated from the rows computed so far, in batches); the others are not nodes. `batch_size`:
+    targets per backward pass (the gradients of that many held at once).
 
-    Memory above the model and transcoders: `batch_size` copies of one frozen forward, one backward
+    `head_loadings`: split edges over each attention layer's heads (hooked_models/attribution/heads.py):
+    "pruned" (the edges `prune(node_threshold, edge_threshold)` keeps), "all" or True (every edge: for
+    small graphs) or False.
+    `qk`: with head loadings, the QK attributions of this many pattern entries (those the kept targets
+    read through most, hooked_models/attribution/qk.py), or of the (layer, head, query_pos, key_pos)
+    entries listed; 0: none. Both read one forward decomposition of the kept sources.
+
+    `progress`: hooked_models/progress.py's `progress=` (phases "logits", "features", "gradients",
+    "decomposition"); a callable raising `Cancelled` stops the run at a batch, the model's hooks removed.
+
+    Memory above the model and transcoders: one frozen forward, one batched backward
     pass's gradients at the leaves, the computed rows (targets x sources: with `max_feature_nodes`,
-    only the rows computed) and the graph (nodes², with head loadings nodes² x layers x (heads + 1)).
+    only the rows computed) and the graph (nodes²); with head loadings, the kept targets' gradients at
+    the head outputs (kept targets x layers x seq x heads x head_dim) and [kept edge layer head].
     No parameter gradients; nothing outlives a backward pass but its rows.
     """
     tokens = prompt_tokens(model, prompt)
-    _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size)
+    _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size,
+                     head_loadings)
     state = Prompt(model, tokens, transcoders)
-    logit_tokens, logit_probs = state.salient_logits(desired_logit_prob, max_n_logits)
+    if targets is None:
+        outputs = salient_targets(model, state, desired_logit_prob, max_n_logits)
+    else:
+        outputs = resolve(model, targets, state.logits[0])
     n_active = state.active.shape[0]
     n_layers, seq = transcoders.n_layers, tokens.shape[1]
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
-
-    replica = Replica(state, batch_size, head_loadings)
-    n_heads = model.cfg.n_heads
-    vocab = state.logits.shape[-1]
-
-    def logit_target(token: int) -> Target:
-        direction = -torch.full((vocab,), 1.0 / vocab, dtype=dtype)  # the logit minus the mean logit
-        direction[token] += 1
-        return Target(None, seq - 1, direction)
-
-    def feature_target(i: int) -> Target:
-        layer, pos, feature = state.active[i].tolist()
-        return Target(layer, pos, transcoders.encoder(layer)[:, feature].detach().to(dtype))
-
-    bar = tqdm(desc="attribution", unit="target", disable=not progress)
-    computed: dict = {}  # target key -> its row over every source
+    replica = Replica(state)
+    encoders = [transcoders.encoder(layer).detach().to(dtype) for layer in range(n_layers)]
+    active = state.active.tolist()
 
     def target(key) -> Target:
-        return logit_target(int(key[1])) if key[0] == "logit" else feature_target(key[1])
+        if key[0] == "output":
+            output = outputs[key[1]]
+            return Target(None, output.pos, output.direction.to(dtype))
+        layer, pos, feature = active[key[1]]
+        return Target(layer, pos, encoders[layer][:, feature])
 
-    def compute(keys: list) -> None:
-        for start in range(0, len(keys), batch_size):
-            chunk = keys[start:start + batch_size]
-            rows = target_rows(replica, [target(k) for k in chunk]).cpu()  # the graph is assembled on the CPU
-            for j, key in enumerate(chunk):
-                computed[key] = rows[j].clone()  # its own storage: the batch's rows go with the batch
-            bar.update(len(chunk))
+    computed = _Rows()  # each target's row over every source, batch by batch
+    output_keys = [("output", k) for k in range(len(outputs))]
+    budget = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
+    with tracker(progress, total=len(output_keys), desc="attribution", unit="target", phase="logits") as track:
 
-    logit_keys = [("logit", int(t)) for t in logit_tokens]
-    if max_feature_nodes is None or max_feature_nodes >= n_active:
-        bar.reset(total=len(logit_keys) + n_active)
-        compute(logit_keys)
-        compute([("feature", i) for i in range(n_active)])
-        selected = torch.arange(n_active)
-    else:
-        bar.reset(total=len(logit_keys) + max_feature_nodes)
-        compute(logit_keys)
-        selected = _select_features(computed, logit_keys, logit_probs, n_active, max_feature_nodes, batch_size, compute)
+        def compute(keys: list) -> None:
+            for start in range(0, len(keys), batch_size):
+                chunk = keys[start:start + batch_size]
+                computed.add(chunk, target_rows(replica, [target(k) for k in chunk]).cpu())  # assembled on the CPU
+                track.advance(len(chunk))
 
-    # Assemble over the selected features: columns of the others dropped, each row released as placed.
-    keep_columns = torch.cat([selected, torch.arange(n_active, n_sources)])
-    n_nodes = len(selected) + n_layers * seq + seq + len(logit_keys)
-    adjacency = torch.zeros(n_nodes, n_nodes, dtype=dtype)
-    placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
-              *zip(range(n_nodes - len(logit_keys), n_nodes), logit_keys)]
-    for r, key in placed:
-        adjacency[r, :len(keep_columns)] = computed.pop(key)[keep_columns]
-    loadings = skips = None
-    if head_loadings:  # the graph's rows only, its columns only, written in place batch by batch
-        loadings = torch.zeros(n_nodes, n_nodes, n_layers, n_heads, dtype=dtype)
-        skips = torch.zeros(n_nodes, n_nodes, n_layers, dtype=dtype)
-        for start in range(0, len(placed), batch_size):
-            chunk = placed[start:start + batch_size]
-            _head_parts(replica, [target(key) for _, key in chunk], n_heads, keep_columns,
-                        torch.tensor([r for r, _ in chunk]), loadings, skips)
-    bar.close()
+        compute(output_keys)
+        track.reset(budget, "features")
+        weights = torch.tensor([o.weight for o in outputs])
+        if budget == n_active:
+            compute([("feature", i) for i in range(n_active)])
+            selected = torch.arange(n_active)
+        else:
+            selected = _select_features(computed, output_keys, weights, n_active, budget, batch_size, compute)
+
+        # Assemble over the selected features: columns of the others dropped, each batch released as placed.
+        keep_columns = torch.cat([selected, torch.arange(n_active, n_sources)])
+        n_nodes = len(selected) + n_layers * seq + seq + len(output_keys)
+        adjacency = torch.zeros(n_nodes, n_nodes, dtype=dtype)
+        placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
+                  *zip(range(n_nodes - len(output_keys), n_nodes), output_keys)]
+        computed.place(dict((key, r) for r, key in placed), keep_columns, adjacency)
+        graph = _graph(model, prompt, tokens, transcoders, state, selected, outputs, adjacency)
+        if not head_loadings:
+            return graph
+        keys = dict(placed)
+        if head_loadings in (True, "all"):
+            edges, kept = (graph.adjacency_matrix != 0).nonzero(), torch.ones(graph.n_nodes, dtype=torch.bool)
+        else:
+            pruned = graph.prune(node_threshold, edge_threshold)
+            edges, kept = pruned.edge_mask.nonzero(), pruned.node_mask
+        return split_attention(state, replica, graph, edges, kept, lambda node: target(keys[node]), selected, qk,
+                               batch_size, track)
+
+
+def salient_targets(model, state: Prompt, desired_logit_prob: float, max_n_logits: int) -> list[OutputTarget]:
+    """The most probable next tokens, as output nodes (circuit-tracer's default targets)."""
+    tokens, probs = state.salient_logits(desired_logit_prob, max_n_logits)
+    vocab, seq = state.logits.shape[-1], state.tokens.shape[1]
     try:
-        str_tokens, logit_str_tokens = model.to_str_tokens(tokens[0]), model.to_str_tokens(logit_tokens)
+        names = model.to_str_tokens(tokens)
     except ValueError:  # no tokenizer: the ids stand for themselves
-        str_tokens, logit_str_tokens = [str(t) for t in tokens[0].tolist()], []
+        names = [str(t) for t in tokens.tolist()]
+    outputs = []
+    for token, prob, name in zip(tokens.tolist(), probs.tolist(), names):
+        direction = -torch.full((vocab,), 1.0 / vocab)  # the logit minus the mean logit
+        direction[token] += 1
+        outputs.append(OutputTarget(name, token, seq - 1, direction, prob))
+    return outputs
+
+
+def _graph(model, prompt, tokens, transcoders, state: Prompt, selected: Tensor, outputs: list[OutputTarget],
+           adjacency: Tensor) -> AttributionGraph:
+    try:
+        str_tokens = model.to_str_tokens(tokens[0])
+        names = [o.name for o in outputs]
+    except ValueError:  # no tokenizer: the ids stand for themselves
+        str_tokens, names = [str(t) for t in tokens[0].tolist()], []
+    # A target that is not one token gets an id of its own, below every token's.
+    custom = iter(range(-1, -len(outputs) - 1, -1))
+    ids = [o.token if o.token >= 0 else next(custom) for o in outputs]
+    seq = tokens.shape[1]
+    positions = [o.pos for o in outputs]
     return AttributionGraph(
         tokens=tokens[0].cpu(), active_features=state.active[selected].cpu(),
-        activation_values=state.activations[selected].detach().cpu(), logit_tokens=logit_tokens.cpu(),
-        logit_probabilities=logit_probs.cpu(), adjacency_matrix=adjacency.detach().cpu(), n_layers=n_layers,
+        activation_values=state.activations[selected].detach().cpu(),
+        logit_tokens=torch.tensor(ids, dtype=torch.long),
+        logit_probabilities=torch.tensor([o.weight for o in outputs], dtype=adjacency.dtype),
+        adjacency_matrix=adjacency.detach().cpu(), n_layers=transcoders.n_layers,
         prompt=prompt if isinstance(prompt, str) else "", str_tokens=str_tokens,
         model_name=str(getattr(model.cfg, "model_name", "")), transcoder_names=transcoder_names(transcoders),
-        logit_str_tokens=logit_str_tokens,
-        head_loadings=None if loadings is None else loadings.detach().cpu(),
-        attention_skips=None if skips is None else skips.detach().cpu())
+        logit_str_tokens=names,
+        logit_positions=None if all(p == seq - 1 for p in positions) else torch.tensor(positions, dtype=torch.long))
 
 
-def _select_features(computed: dict, logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
+class _Rows:
+    """The computed rows, kept as their batches ([batch source] each) with each key's (batch, row): one
+    tensor per batch, not one per row (a graph's thousands of small objects had the collector pause)."""
+
+    def __init__(self):
+        self.batches: list[Tensor] = []
+        self.at: dict = {}
+
+    def add(self, keys: list, rows: Tensor) -> None:
+        for j, key in enumerate(keys):
+            self.at[key] = (len(self.batches), j)
+        self.batches.append(rows)
+
+    def stack(self, keys: list) -> Tensor:
+        return torch.stack([self.batches[b][j] for b, j in (self.at[key] for key in keys)])
+
+    def place(self, rows: dict, columns: Tensor, out: Tensor) -> None:
+        """Write the rows of the keys in `rows` (key -> row of `out`), over `columns`, releasing each batch."""
+        full = len(columns) == self.batches[0].shape[1] and bool((columns == torch.arange(len(columns))).all())
+        by_batch: dict[int, list] = {}
+        for key, r in rows.items():
+            b, j = self.at[key]
+            by_batch.setdefault(b, []).append((j, r))
+        for b in range(len(self.batches)):
+            if b in by_batch:
+                j, r = (torch.tensor(x) for x in zip(*by_batch[b]))
+                batch = self.batches[b][j]
+                out[r, :len(columns)] = batch if full else batch[:, columns]
+            self.batches[b] = None
+
+
+def _select_features(computed: "_Rows", logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
                      batch_size: int, compute) -> Tensor:
     """circuit-tracer's feature selection: rank the features not yet computed by their influence on the
     logits through the rows computed so far, compute the top batch, repeat until `budget` are. Only the
     computed rows are held ([computed source], never a dense [source source] matrix)."""
     done: list[int] = []
     while len(done) < budget:
-        rows = torch.stack([computed[key] for key in [*logit_keys, *[("feature", i) for i in done]]]).float()
+        rows = computed.stack([*logit_keys, *[("feature", i) for i in done]]).float()
         own_column = torch.tensor([-1] * len(logit_keys) + done, dtype=torch.long)
         weights = torch.cat([logit_probs.float().cpu(), torch.zeros(len(done))])
         influence = _influence_of_rows(normalized_abs(rows), own_column, weights)[:n_active]

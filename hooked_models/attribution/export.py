@@ -8,15 +8,22 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from hooked_models.attribution.qk import QKTable
 
 # The feature_type strings circuit-tracer's viewer knows (frontend/graph_models.py).
 FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
 
 
 def write_json(graph, path: "str | os.PathLike", slug: str | None = None, features=None, labels=None) -> Path:
-    """Write a pruned graph (`node_mask` and `edge_mask` set) in circuit-tracer's graph-file schema, with
-    what `from_json` needs to rebuild it whole under `hooked_models`; with `features` (a statistics
-    result), its features' files beside it and its nodes labelled (`features.circuit_tracer_files`)."""
+    """Write a pruned graph (`node_mask` and `edge_mask` set) in circuit-tracer's graph-file schema: the
+    kept nodes and edges (what the viewer draws) and the QK tables (`qk_attributions`, a key the viewer
+    ignores; the explorer gives each link its per-head split from the side file). What `from_json` needs
+    for the rest (the whole adjacency, the loadings, the QK vectors) goes beside it, in
+    `<stem>.tensors.safetensors`, its name under `hooked_models`; the JSON itself grows with the kept graph
+    only. With `features` (a statistics result), its features' files beside it and its nodes labelled
+    (`features.circuit_tracer_files`)."""
     path = Path(path)
     slug = slug or path.stem
     nodes = {i: json_node(graph, i) for i in graph.node_mask.nonzero().flatten().tolist()}
@@ -25,6 +32,7 @@ def write_json(graph, path: "str | os.PathLike", slug: str | None = None, featur
               "weight": float(graph.adjacency_matrix[t, s])}
              for t, s in zip(targets.tolist(), sources.tolist()) if s in nodes and t in nodes]
     linked = {link["source"] for link in links} | {link["target"] for link in links}
+    side = path.with_name(f"{path.stem}.tensors.safetensors")
     data = {
         "metadata": {"slug": slug, "scan": graph.model_name or "hooked_models",
                      "transcoder_list": list(graph.transcoder_names), "prompt_tokens": graph.str_tokens_or_ids(),
@@ -32,15 +40,29 @@ def write_json(graph, path: "str | os.PathLike", slug: str | None = None, featur
         "qParams": {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""},
         "nodes": [n for n in nodes.values() if n["node_id"] in linked or n["feature_type"] in ("embedding", "logit")],
         "links": links,
-        "hooked_models": state(graph),
+        "qk_attributions": _qk_json(graph, nodes),
+        "hooked_models": {**state(graph), "tensors": side.name},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors(graph), str(side))
     if features is not None:
         from hooked_models.features.circuit_tracer_files import write_beside_graph
 
         data = write_beside_graph(data, path, features, labels)
-    path.write_text(json.dumps(data, indent=1))
+    path.write_text(json.dumps(data))
     return path
+
+
+def _qk_json(graph, nodes: dict) -> list[dict]:
+    """The QK tables for the viewer: each entry's score and its 20 strongest pairs, by node id."""
+    ids = {graph.node_name(i): node["node_id"] for i, node in nodes.items()}
+    out = []
+    for (layer, head, q, k), table in sorted((graph.qk_tables or {}).items()):
+        pairs = [{"query": ids.get(p["query"], p["query"]), "key": ids.get(p["key"], p["key"]), "weight": p["value"]}
+                 for p in table.top(20)]
+        out.append({"layer": layer, "head": head, "query_pos": q, "key_pos": k, "score": table.score,
+                    "capped_score": table.capped, "flow": table.flow, "pairs": pairs})
+    return out
 
 
 def json_node(graph, i: int) -> dict:
@@ -76,40 +98,61 @@ def json_node(graph, i: int) -> dict:
 
 
 def state(graph) -> dict:
-    """Everything but the masks, as lists (floats written exactly: JSON keeps a float32's value)."""
+    """Everything but the masks and the tensors `tensors` holds, as lists."""
     fields = {"tokens": graph.tokens.tolist(), "active_features": graph.active_features.tolist(),
-              "activation_values": graph.activation_values.tolist(), "logit_tokens": graph.logit_tokens.tolist(),
-              "logit_probabilities": graph.logit_probabilities.tolist(),
-              "adjacency_matrix": graph.adjacency_matrix.tolist(), "n_layers": graph.n_layers,
+              "logit_tokens": graph.logit_tokens.tolist(), "n_layers": graph.n_layers,
               "prompt": graph.prompt, "str_tokens": list(graph.str_tokens), "model_name": graph.model_name,
-              "transcoder_names": list(graph.transcoder_names), "logit_str_tokens": list(graph.logit_str_tokens)}
-    for name in ("head_loadings", "attention_skips"):
-        value = getattr(graph, name)
-        fields[name] = None if value is None else {"shape": list(value.shape), "values": value.flatten().tolist()}
+              "transcoder_names": list(graph.transcoder_names), "logit_str_tokens": list(graph.logit_str_tokens),
+              "logit_positions": None if graph.logit_positions is None else graph.logit_positions.tolist()}
+    tables = sorted((graph.qk_tables or {}).items())
+    fields["qk"] = [{"entry": list(key), "names": t.names, "scale": t.scale, "cap": t.cap,
+                     "model_score": t.model_score, "flow": t.flow} for key, t in tables]
     return fields
 
 
+def tensors(graph) -> dict[str, torch.Tensor]:
+    """The graph's numbers, float32 exactly (safetensors)."""
+    out = {"activation_values": graph.activation_values, "logit_probabilities": graph.logit_probabilities,
+           "adjacency_matrix": graph.adjacency_matrix}
+    for name in ("loading_edges", "loading_heads", "loading_skips"):
+        if getattr(graph, name) is not None:
+            out[name] = getattr(graph, name)
+    for i, (_, table) in enumerate(sorted((graph.qk_tables or {}).items())):
+        out[f"qk.{i}.queries"], out[f"qk.{i}.keys"] = table.queries, table.keys
+    return {name: value.detach().cpu().contiguous() for name, value in out.items()}
+
+
 def read_state(path: "str | os.PathLike") -> dict:
-    """The fields of the graph `write_json` wrote, unpruned, every node and edge as it was (float32 exactly)."""
-    data = json.loads(Path(path).read_text())
+    """The fields of the graph `write_json` wrote (its JSON and the tensors beside it), unpruned, every
+    node and edge as it was."""
+    path = Path(path)
+    data = json.loads(path.read_text())
     if "hooked_models" not in data:
         raise ValueError(f"{path} is a graph file without the hooked_models section `to_json` writes; "
                          "only graphs written here can be rebuilt")
-    state = data["hooked_models"]
-    tensors = dict(tokens=torch.tensor(state["tokens"], dtype=torch.long),
-                   active_features=torch.tensor(state["active_features"], dtype=torch.long).reshape(-1, 3),
-                   activation_values=torch.tensor(state["activation_values"], dtype=torch.float32),
-                   logit_tokens=torch.tensor(state["logit_tokens"], dtype=torch.long),
-                   logit_probabilities=torch.tensor(state["logit_probabilities"], dtype=torch.float32))
-    n = len(state["adjacency_matrix"])
-    adjacency = torch.tensor(state["adjacency_matrix"], dtype=torch.float32).reshape(n, n)
-    extra = {}
-    for name in ("head_loadings", "attention_skips"):
-        value = state.get(name)
-        extra[name] = None if value is None else torch.tensor(value["values"], dtype=torch.float32).reshape(value["shape"])
-    return dict(**tensors, adjacency_matrix=adjacency, n_layers=state["n_layers"], prompt=state["prompt"],
-                str_tokens=state["str_tokens"], model_name=state["model_name"],
-                transcoder_names=state["transcoder_names"], logit_str_tokens=state["logit_str_tokens"], **extra)
+    fields = data["hooked_models"]
+    side = path.with_name(fields["tensors"])
+    if not side.is_file():
+        raise ValueError(f"{path} keeps the graph's tensors in {side.name}, which is not beside it")
+    numbers = load_file(str(side))
+    qk = {}
+    for i, table in enumerate(fields["qk"]):
+        layer, head, q, k = table["entry"]
+        qk[(layer, head, q, k)] = QKTable(layer, head, q, k, table["names"], numbers[f"qk.{i}.queries"],
+                                          numbers[f"qk.{i}.keys"], table["scale"], table["cap"],
+                                          table["model_score"], table["flow"])
+    positions = fields.get("logit_positions")
+    return dict(tokens=torch.tensor(fields["tokens"], dtype=torch.long),
+                active_features=torch.tensor(fields["active_features"], dtype=torch.long).reshape(-1, 3),
+                activation_values=numbers["activation_values"],
+                logit_tokens=torch.tensor(fields["logit_tokens"], dtype=torch.long),
+                logit_probabilities=numbers["logit_probabilities"], adjacency_matrix=numbers["adjacency_matrix"],
+                n_layers=fields["n_layers"], prompt=fields["prompt"], str_tokens=fields["str_tokens"],
+                model_name=fields["model_name"], transcoder_names=fields["transcoder_names"],
+                logit_str_tokens=fields["logit_str_tokens"],
+                logit_positions=None if positions is None else torch.tensor(positions, dtype=torch.long),
+                loading_edges=numbers.get("loading_edges"), loading_heads=numbers.get("loading_heads"),
+                loading_skips=numbers.get("loading_skips"), qk_tables=qk if "loading_edges" in numbers else None)
 
 
 # Links by sign, in RdBu's ends (ColorBrewer, as matplotlib ships it; the explorer's graph view uses the same).

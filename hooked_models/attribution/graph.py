@@ -16,6 +16,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from hooked_models.attribution import export
+from hooked_models.attribution.qk import QKTable
 
 # ------------------------------------------------------------------------------------------- graph
 @dataclass
@@ -23,10 +24,17 @@ class AttributionGraph:
     """Nodes and direct-effect edges of one prompt (see the module docstring for the order).
 
     `active_features [feature 3]`: (layer, position, feature index) of each feature node, with its
-    `activation_values`. `adjacency_matrix [node node]`: row = target, column = source. `head_loadings
-    [node node layer head]` and `attention_skips [node node layer]`: for each attention layer, the edge
-    split over its heads plus the part that skips it (None when not computed). After `prune`,
-    `node_mask`, `edge_mask` and `cumulative_influence` say what was kept.
+    `activation_values`. `adjacency_matrix [node node]`: row = target, column = source. The output
+    nodes ("logits"): `logit_tokens` (a negative id for a target that is not one token),
+    `logit_probabilities` (their weights as outputs), `logit_str_tokens` (their names) and
+    `logit_positions` (None: all at the last position).
+
+    Per-head loadings, for the edges `loading_edges [edge 2]` (target, source) only:
+    `loading_heads [edge layer head]` and `loading_skips [edge layer]`, for each attention layer the
+    edge split over its heads plus the part that skips it (`edge_loadings(target, source)`; dense
+    `head_loadings [node node layer head]` for small graphs). `qk_tables`: the QK attributions computed,
+    by (layer, head, query_pos, key_pos) (`qk(...)`). After `prune`, `node_mask`, `edge_mask` and
+    `cumulative_influence` say what was kept.
     """
 
     tokens: Int[Tensor, " seq"]
@@ -41,8 +49,11 @@ class AttributionGraph:
     model_name: str = ""
     transcoder_names: list[str] = field(default_factory=list)
     logit_str_tokens: list[str] = field(default_factory=list)
-    head_loadings: Float[Tensor, "node node layer head"] | None = None
-    attention_skips: Float[Tensor, "node node layer"] | None = None
+    logit_positions: Int[Tensor, " logit"] | None = None
+    loading_edges: Int[Tensor, "edge 2"] | None = None
+    loading_heads: Float[Tensor, "edge layer head"] | None = None
+    loading_skips: Float[Tensor, "edge layer"] | None = None
+    qk_tables: dict[tuple[int, int, int, int], QKTable] | None = None
     node_mask: Tensor | None = None
     edge_mask: Tensor | None = None
     cumulative_influence: Tensor | None = None
@@ -76,7 +87,8 @@ class AttributionGraph:
             return divmod(i - self.error_start, self.n_pos)
         if kind == "embedding":
             return None, i - self.embedding_start
-        return self.n_layers, self.n_pos - 1
+        k = i - self.logit_start
+        return self.n_layers, self.n_pos - 1 if self.logit_positions is None else int(self.logit_positions[k])
 
     def node_name(self, i: int) -> str:
         """A name over the vocabulary: `layers.1.mlp.feature.37@4`, `layers.1.mlp.error@4`,
@@ -89,7 +101,8 @@ class AttributionGraph:
             return f"layers.{layer}.mlp.error@{pos}"
         if kind == "embedding":
             return f"embedding@{pos}"
-        return f"logits.{int(self.logit_tokens[i - self.logit_start])}@{pos}"
+        token = int(self.logit_tokens[i - self.logit_start])
+        return f"logits.{token}@{pos}" if token >= 0 else f"target.{self.logit_text(i - self.logit_start)}@{pos}"
 
     @property
     def nodes(self) -> list[str]:
@@ -101,6 +114,52 @@ class AttributionGraph:
         weights[self.logit_start:] = self.logit_probabilities.to(weights.dtype)
         return weights
 
+    # ------------------------------------------------------------------------------ attention
+    def edge_loadings(self, target: int, source: int) -> tuple[Tensor, Tensor] | None:
+        """Edge (target, source)'s split, ([layer head] heads' parts, [layer] skips), or None where its
+        loadings were not computed."""
+        if self.loading_edges is None:
+            return None
+        at = ((self.loading_edges[:, 0] == target) & (self.loading_edges[:, 1] == source)).nonzero().flatten()
+        return None if not at.numel() else (self.loading_heads[int(at[0])], self.loading_skips[int(at[0])])
+
+    @property
+    def head_loadings(self) -> Float[Tensor, "node node layer head"] | None:
+        """The loadings dense (zero where not computed): for small graphs; large ones read `loading_heads`."""
+        return self._dense(self.loading_heads)
+
+    @property
+    def attention_skips(self) -> Float[Tensor, "node node layer"] | None:
+        return self._dense(self.loading_skips)
+
+    def _dense(self, values: Tensor | None) -> Tensor | None:
+        if values is None:
+            return None
+        dense = torch.zeros(self.n_nodes, self.n_nodes, *values.shape[1:], dtype=values.dtype)
+        dense[self.loading_edges[:, 0], self.loading_edges[:, 1]] = values
+        return dense
+
+    def qk(self, layer: int, head: int, query_pos: int, key_pos: int, top: int = 20) -> QKTable:
+        """The QK attribution of head `head` of layer `layer` at (query_pos, key_pos): the score split
+        into (query-side, key-side) component pairs (`.top(top)` ranks them; printing shows `top`)."""
+        if self.qk_tables is None:
+            raise ValueError("this graph was built without its decomposition: no QK attribution; pass "
+                             "head_loadings='pruned' (or 'all') and qk=... to attribute")
+        if not self.qk_tables:
+            raise ValueError("this graph has no QK attribution: qk=0, or nothing kept passes through attention")
+        n_heads = 1 + max(h for _, h, _, _ in self.qk_tables)  # at least as many as some table names
+        if self.loading_heads is not None:
+            n_heads = self.loading_heads.shape[-1]
+        for name, value, limit in (("layer", layer, self.n_layers), ("head", head, n_heads),
+                                   ("query_pos", query_pos, self.n_pos), ("key_pos", key_pos, self.n_pos)):
+            if not 0 <= value < limit:
+                raise ValueError(f"{name}={value} outside [0, {limit})")
+        key = (layer, head, query_pos, key_pos)
+        if key not in self.qk_tables:
+            raise ValueError(f"no QK attribution computed for layer {layer}, head {head}, query {query_pos}, key "
+                             f"{key_pos}; computed: {sorted(self.qk_tables)[:8]}... (ask for it with attribute's qk=)")
+        return replace(self.qk_tables[key], shown=top)
+
     # -------------------------------------------------------------------------- prune and score
     def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> "AttributionGraph":
         """The graph with `node_mask`/`edge_mask` set, circuit-tracer's `prune_graph`: keep the nodes
@@ -108,7 +167,12 @@ class AttributionGraph:
         then the edges that carry `edge_threshold` of the kept nodes' edge influence, then drop, until
         nothing changes, features without incoming edges and features and errors without outgoing ones.
         Influence: abs(adjacency), each row normalized to sum 1, propagated from the logits' probabilities
-        through every path."""
+        through every path.
+
+        Where it differs from circuit-tracer's `prune_graph`: an edge of weight zero is never kept
+        (circuit-tracer keeps every edge whose score reaches the threshold, so at `edge_threshold=1.0`,
+        where the threshold score is 0, it keeps the zero-weight ones too, and the nodes they keep);
+        below 1.0 the two keep the same nodes and edges (tests/test_circuit_tracer_compare.py)."""
         for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}={value} must be between 0 and 1")

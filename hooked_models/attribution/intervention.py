@@ -57,3 +57,56 @@ def feature_intervention(model, prompt, transcoders, interventions: Sequence[tup
                   (state.outputs[l], lambda t, hook, l=l: write(t, hook, l))]
     with torch.no_grad():
         return model.run_with_hooks(tokens, fwd_hooks=hooks)[0]
+
+
+def feature_intervention_generate(model, prompt, transcoders, interventions: Sequence[tuple], *,
+                                  max_new_tokens: int = 10, do_sample: bool = False, **generate_kwargs) -> Tensor:
+    """Continue `prompt` (greedily unless `do_sample`; `generate_kwargs` go to `model.generate`) with
+    features clamped: each (layer, position, feature, value) sets that feature's activation at that
+    position, an int (one past the prompt or later: once generated) or a slice (`slice(5, None)`: from
+    position 5 on, every new position included). Returns the token ids, prompt and continuation [seq].
+
+    The replacement model of circuit-tracer's `feature_intervention_generate`, its errors live: at each
+    position the MLP's output moves by what the clamping moves its transcoder's reconstruction (the
+    error, what the transcoder misses there, stays the model's own), and every later feature, read from
+    its live input, responds. Attention is live (new positions have no frozen pattern). With no
+    intervention the tokens are the model's own generation (recomputed whole at each step, no cache)."""
+    tokens = prompt_tokens(model, prompt)
+    check_prompt(model, tokens, transcoders)
+    n_layers, limit = transcoders.n_layers, model.max_positions
+    by_layer: dict[int, list] = {}
+    for item in interventions:
+        layer, pos, feature, value = item
+        start = pos.start or 0 if isinstance(pos, slice) else pos
+        if not (0 <= layer < n_layers and isinstance(start, int) and 0 <= start < limit
+                and 0 <= feature < transcoders.d_transcoder):
+            raise ValueError(f"intervention {item}: layer must be in [0, {n_layers}), position (or a slice's start) "
+                             f"in [0, {limit}), feature in [0, {transcoders.d_transcoder})")
+        by_layer.setdefault(layer, []).append((pos, feature, value))
+    dtype = transcoders.encoder(0).dtype
+    clean: dict[int, Tensor] = {}
+    clamped: dict[int, Tensor] = {}
+    live: dict[int, Tensor] = {}
+
+    def read(t, hook, layer):
+        live[layer] = t.to(dtype)
+        clean[layer] = transcoders.encode(layer, live[layer])
+        a = clean[layer].clone()
+        for pos, feature, value in by_layer.get(layer, []):
+            if isinstance(pos, slice) or pos < a.shape[1]:
+                a[:, pos, feature] = value
+        clamped[layer] = a
+
+    def write(t, hook, layer):
+        x = live[layer] if transcoders.has_skip else None
+        moved = transcoders.decode_to(layer, clamped, x) - transcoders.decode_to(layer, clean, x)
+        return t + moved.to(t.dtype)  # exactly t where the clamping moved nothing
+
+    hooks = []
+    for l in range(n_layers):
+        hooks += [(transcoders.input_hook(l), lambda t, hook, l=l: read(t, hook, l)),
+                  (transcoders.output_hook(l), lambda t, hook, l=l: write(t, hook, l))]
+    with torch.no_grad():
+        out = model.generate(tokens, max_new_tokens=max_new_tokens, do_sample=do_sample, fwd_hooks=hooks,
+                             use_cache=False, verbose=False, **generate_kwargs)
+    return out[0]

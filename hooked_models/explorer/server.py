@@ -270,8 +270,9 @@ class Explorer:
                              f"{problems}") from None
         graph = graph.checked().model_dump()
         self._name_nodes(graph)
-        if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings come along
+        if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings and QK come along
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
+            graph["qk_attributions"] = data.get("qk_attributions", [])
         return graph
 
     def _name_nodes(self, graph: dict) -> None:
@@ -328,12 +329,15 @@ def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
     """Give each link through attention its per-head split, `heads`: {"layers.L.self_attn.head.h": part, ...,
     "layers.L.self_attn (skipped)": the part that skips L's attention}, for each attention layer L the edge
     crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
-    if graph.head_loadings is None:
+    if graph.loading_edges is None:
         return
     index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
+    row = {(t, s): e for e, (t, s) in enumerate(graph.loading_edges.tolist())}
     for link in links:
-        target, source = index[link["target"]], index[link["source"]]
-        loadings, skips = graph.head_loadings[target, source], graph.attention_skips[target, source]
+        e = row.get((index[link["target"]], index[link["source"]]))
+        if e is None:
+            continue
+        loadings, skips = graph.loading_heads[e], graph.loading_skips[e]
         heads = {}
         for layer in range(loadings.shape[0]):
             if bool(loadings[layer].any()):

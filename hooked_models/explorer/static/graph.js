@@ -1,5 +1,6 @@
 // The attribution-graph view: a graph file in circuit-tracer's schema drawn by layer and position, pruned
-// by influence, a node's strongest links and an edge's per-head loadings, a feature's dashboard.
+// by influence, a node's strongest links and an edge's per-head loadings (a head clicked: the QK
+// attributions of its pattern entries, the file's `qk_attributions`), a feature's dashboard.
 import {$, api, el, fmt, handle, session, svgEl} from "./common.js";
 import {openFeature} from "./features.js";
 
@@ -222,9 +223,34 @@ function showHeads(link) {
   }
   const table = el("table", {class: "heads-table"});
   for (const [head, weight] of Object.entries(link.heads).sort((a, b) => Math.abs(b[1]) - Math.abs(a[1]))) {
-    const row = el("tr");
+    const row = el("tr", {class: "head", "data-head": head});
     row.append(el("td", {}, head), el("td", {}, fmt(weight)));
+    row.onclick = () => showQK(head);
     table.append(row);
   }
-  box.append(table);
+  box.append(table, el("div", {id: "graph-qk"}));
+}
+
+// Why a head attended where it did: each of its pattern entries the file has, the score split into
+// (query-side node, key-side node) pairs, strongest first.
+function showQK(head) {
+  const box = $("graph-qk");
+  const m = head.match(/^layers\.(\d+)\.self_attn\.head\.(\d+)$/);
+  const entries = m ? (GRAPH.data.qk_attributions || []).filter((e) => e.layer === +m[1] && e.head === +m[2]) : [];
+  box.replaceChildren(el("strong", {}, `QK attributions of ${head}`));
+  if (!entries.length) {
+    box.append(el("p", {}, "the file has no QK attribution for this head (attribute's qk= names the entries)"));
+    return;
+  }
+  for (const e of entries) {
+    const capped = e.capped_score === e.score ? "" : `, capped ${fmt(e.capped_score)}`;
+    const table = el("table", {class: "qk-table"});
+    table.append(el("caption", {}, `query ${e.query_pos} → key ${e.key_pos}: score ${fmt(e.score)}${capped}`));
+    for (const pair of e.pairs.slice(0, 10)) {
+      const row = el("tr");
+      row.append(el("td", {}, pair.query), el("td", {}, pair.key), el("td", {}, fmt(pair.weight)));
+      table.append(row);
+    }
+    box.append(table);
+  }
 }

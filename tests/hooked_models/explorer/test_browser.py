@@ -302,6 +302,40 @@ def test_graph_that_does_not_parse_is_a_message(page, errors):
     expect_refused(errors, 400, 403)
 
 
+def test_a_head_loading_clicked_shows_its_qk_attributions(page, data_dir, real_graph):
+    """A link through a head that has a QK table in the file: clicking the head's loading lists that head's
+    pattern entries, each score split into (query node, key node) pairs."""
+    import json
+
+    from hooked_models.attribution.export import json_node
+
+    written = json.loads((data_dir / "real_graph.json").read_text())
+    tables = {(e["layer"], e["head"]) for e in written["qk_attributions"]}
+    ids = {n["node_id"] for n in written["nodes"]}
+    chosen = None
+    for e, (t, s) in enumerate(real_graph.loading_edges.tolist()):
+        target, source = json_node(real_graph, t)["node_id"], json_node(real_graph, s)["node_id"]
+        inputs = sorted((l for l in written["links"] if l["target"] == target), key=lambda l: -abs(l["weight"]))[:10]
+        heads = [(layer, h) for layer, h in tables if bool(real_graph.loading_heads[e, layer].any())]
+        if target in ids and source in ids and heads and source in [l["source"] for l in inputs]:
+            chosen = target, source, heads[0]
+            break
+    assert chosen, "no kept link passes through a head with a QK table"
+    target, source, (layer, head) = chosen
+    view(page, "graph")
+    page.fill("#graph-path", "real_graph.json")
+    page.click("#graph-form button")
+    page.wait_for_selector("#graph-svg .node")
+    page.locator("#graph-threshold").fill("1")
+    page.locator(f"#graph-svg .node[data-id='{target}']").dispatch_event("click")
+    page.locator(f"#graph-detail table.source tr.link[data-id='{source}']").first.click()
+    page.locator(f"#graph-heads tr.head[data-head='layers.{layer}.self_attn.head.{head}']").click()
+    text = page.inner_text("#graph-qk")
+    entry = next(e for e in written["qk_attributions"] if (e["layer"], e["head"]) == (layer, head))
+    assert f"query {entry['query_pos']} → key {entry['key_pos']}" in text and "score" in text
+    assert entry["pairs"][0]["query"] in text
+
+
 # ------------------------------------------------------------------------- what was changed, and faults
 def test_a_long_prompt_and_unknown_words_are_noticed(page, arcee):
     words = "When" + " Mary" * 80 + " Zebra"

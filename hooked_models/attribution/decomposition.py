@@ -1,0 +1,117 @@
+"""The forward decomposition of the residual stream: each node's contribution at every later layer and
+position, in the linear replacement model (patterns and norm scales frozen at the prompt's, every MLP
+its transcoder's skip connection plus the nodes' writes).
+
+With those frozen, the stream entering each layer is an affine function of what the nodes write (the
+embeddings; each feature's activation x decoder row; each error), so it is the sum of each node's
+contribution plus a constant, the biases' (norm biases, the transcoders' b_dec, projection biases): run
+the model on a batch whose row r carries node r's writes alone, and row 0 none, and node r's
+contribution to any value read on the way (a layer's input, its queries, keys, values, head outputs) is
+row r minus row 0. One batched forward per `batch_size` nodes, whatever the layers and heads: the
+per-head loadings and the QK attributions both read it (hooked_models/attribution/attention.py).
+
+    for chunk in decompose(prompt, components, reads=["layers.1.self_attn.attention_queries"]):
+        chunk.values[name]      # [component ...]: each component's contribution (row 0's subtracted)
+        chunk.bias[name]        # [...]: the constant part (every node's writes zero)
+        chunk.total[name]       # [...]: every node's writes at once (the first chunk only, `with_total`)
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hooked_models.attribution.replacement import Prompt, bias_and_skip, is_frozen, written_layers
+
+
+@dataclass(frozen=True)
+class Component:
+    """A node that writes to the stream: a feature (`index` into the prompt's active features), an
+    error (`layer`, `pos`) or an embedding (`pos`)."""
+
+    kind: str
+    layer: int | None = None
+    pos: int = 0
+    index: int = -1
+
+
+@dataclass
+class Chunk:
+    """One batch of components: `values[name]` [n ...] from `start` on, the `bias`, and the `total`
+    (the clean frozen forward's value) where asked."""
+
+    start: int
+    values: dict[str, Tensor]
+    bias: dict[str, Tensor]
+    total: dict[str, Tensor] | None = None
+
+
+_ALL = Component("all")  # every node's writes at once: the frozen forward itself
+
+
+def decompose(prompt: Prompt, components: Sequence[Component], reads: Sequence[str], batch_size: int = 32,
+              with_total: bool = False, on_chunk=None) -> Iterator[Chunk]:
+    """Each component's contribution to every value named in `reads` (hook names), `batch_size`
+    components per forward; `on_chunk(n)` is called after each with the number done (progress)."""
+    reads = list(reads)
+    for start in range(0, max(len(components), 1), batch_size):
+        chunk = list(components[start:start + batch_size])
+        extra = [None, _ALL] if with_total and start == 0 else [None]
+        captured = _run(prompt, extra + chunk, reads)
+        n_extra = len(extra)
+        bias = {name: value[0] for name, value in captured.items()}
+        values = {name: value[n_extra:] - value[:1] for name, value in captured.items()}
+        total = {name: value[1] for name, value in captured.items()} if n_extra == 2 else None
+        yield Chunk(start, values, bias, total)
+        if on_chunk is not None:
+            on_chunk(len(chunk))
+
+
+def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> dict[str, Tensor]:
+    """The frozen model on one row per component (None: no node writes), the `reads` captured."""
+    model, tcs = prompt.model, prompt.transcoders
+    n, (seq, hidden) = len(rows), prompt.embedding.shape
+    dtype = prompt.embedding.dtype
+    embedding = torch.zeros(n, seq, hidden, dtype=dtype, device=prompt.embedding.device)
+    writes = torch.zeros(tcs.n_layers, n, seq, hidden, dtype=dtype, device=embedding.device)
+    for r, c in enumerate(rows):
+        if c is None or c is _ALL:
+            continue
+        if c.kind == "embedding":
+            embedding[r, c.pos] = prompt.embedding[c.pos]
+        elif c.kind == "error":
+            writes[c.layer, r, c.pos] = prompt.errors[c.layer, c.pos]
+        else:
+            layer, pos, feature = prompt.active[c.index].tolist()
+            for t in written_layers(tcs, layer):
+                writes[t, r, pos] = prompt.activations[c.index] * tcs.decoder(layer, t)[feature].to(dtype)
+    everything = [r for r, c in enumerate(rows) if c is _ALL]
+    for r in everything:
+        embedding[r] = prompt.embedding
+    live, captured = {}, {}
+
+    def embed(t, hook):
+        return embedding.to(t.dtype)
+
+    def read(t, hook, layer):
+        live[layer] = t
+
+    def write(t, hook, layer):
+        out = writes[layer] + bias_and_skip(tcs, layer, live[layer].to(dtype))
+        for r in everything:  # the clean value: the prompt's own MLP output
+            out[r] = prompt.mlp_out[layer].to(dtype)
+        return out.to(t.dtype)
+
+    def capture(t, hook):
+        captured[hook.name] = t.detach().to(dtype)
+
+    hooks = [(is_frozen, lambda t, hook: prompt.constants[hook.name].expand(t.shape).to(t.dtype)),
+             ("layers.0.layer_input", embed)]
+    for l in range(tcs.n_layers):
+        hooks += [(prompt.inputs[l], lambda t, hook, l=l: read(t, hook, l)),
+                  (prompt.outputs[l], lambda t, hook, l=l: write(t, hook, l))]
+    hooks += [(name, capture) for name in reads]
+    with torch.no_grad():
+        model.run_with_hooks(prompt.tokens.expand(n, -1), fwd_hooks=hooks, stop_at_layer=model.cfg.num_layers)
+    return {name: captured[name] for name in reads}

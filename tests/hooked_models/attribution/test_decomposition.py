@@ -1,0 +1,76 @@
+"""The forward decomposition of the residual stream (hooked_models/attribution/decomposition.py): every
+node's contributions plus the biases are the frozen forward's values, and one node's contribution is
+what the replacement model (tests/hooked_models/attribution/conftest.py) moves when it is removed."""
+
+import torch
+
+from hooked_models.attribution.decomposition import Component, decompose
+from hooked_models.attribution.replacement import Prompt
+
+
+def every_node(prompt) -> list[Component]:
+    n_layers, seq = prompt.errors.shape[:2]
+    return ([Component("feature", int(l), int(p), i) for i, (l, p, _) in enumerate(prompt.active.tolist())]
+            + [Component("error", l, p) for l in range(n_layers) for p in range(seq)]
+            + [Component("embedding", None, p) for p in range(seq)])
+
+
+def reads(model) -> list[str]:
+    names = []
+    for l in range(model.cfg.num_layers):
+        names += [f"layers.{l}.layer_input", f"layers.{l}.self_attn.attention_queries",
+                  f"layers.{l}.self_attn.attention_keys", f"layers.{l}.self_attn.attention_head_outputs"]
+    return names + ["final_norm_input"] if "final_norm_input" in model.hook_dict else names
+
+
+def test_the_nodes_contributions_and_the_bias_sum_to_the_frozen_forward(family_setup):
+    """Per layer and position: the residual entering the layer, the queries, keys and head outputs, as
+    the model computes them with its norm scales and patterns written back (no code of the package), are
+    the sum of every node's contribution plus the bias, within 1e-5 of the terms' magnitude."""
+    model, tcs, tokens = family_setup
+    prompt = Prompt(model, tokens[None], tcs)
+    components = every_node(prompt)
+    names = reads(model)
+    sums, bias, total = {}, None, None  # per name: sum of |contributions|, their sum
+    for chunk in decompose(prompt, components, names, batch_size=16, with_total=True):
+        for name, value in chunk.values.items():
+            sums[name] = sums.get(name, 0) + value.abs().sum(0)
+            sums[name + "/sum"] = sums.get(name + "/sum", 0) + value.sum(0)
+        bias, total = bias or chunk.bias, total or chunk.total
+    with torch.no_grad():
+        # The oracle: the clean run, whose values the frozen model keeps (the scales and patterns are the
+        # model's own), attention explicit as any hook on the patterns makes it.
+        _, explicit = model.run_with_cache(tokens[None], names_filter=lambda n: n in names or
+                                           n.endswith("attention_probabilities"))
+    for name in names:
+        truth = explicit[name][0]
+        got = sums[name + "/sum"] + bias[name]
+        gap = (got - truth).abs() / (sums[name] + bias[name].abs()).clamp(min=1e-30)
+        assert gap.max() < 1e-5, (name, float(gap.max()))
+        assert torch.allclose(total[name], truth, rtol=1e-5, atol=1e-6 * float(truth.abs().max())), name
+    assert float(bias["layers.1.layer_input"].abs().max()) > 0  # the biases are part of it (b_dec at least)
+
+
+def test_one_features_contribution_is_what_removing_it_moves(family_setup, replacement):
+    """The contribution of the feature with the largest write, at every later layer's input, queries and
+    head outputs, equals the replacement model's values less the same model with that write taken away
+    (1e-5 of the values' magnitude); at layers up to its own it is exactly zero."""
+    model, tcs, tokens = family_setup
+    prompt = Prompt(model, tokens[None], tcs)
+    oracle = replacement(model, tcs, tokens)
+    strength = prompt.activations.abs() * (prompt.active[:, 0] < tcs.n_layers - 1)  # a layer it can reach past
+    i = int(strength.argmax())
+    layer, pos, feature = prompt.active[i].tolist()
+    names = reads(model)
+    (chunk,) = decompose(prompt, [Component("feature", layer, pos, i)], names)
+    write = oracle.write(layer, pos, feature)
+    removed = {(t, pos): -write[t] for t in range(tcs.n_layers) if bool(write[t].any())}
+    clean, without = oracle.run(names=names), oracle.run(removed, names=names)
+    for name in names:
+        expected = clean.values[name] - without.values[name]
+        got = chunk.values[name][0]
+        scale = float(clean.values[name].abs().max())
+        assert (got - expected).abs().max() <= 1e-5 * scale, (name, float((got - expected).abs().max()), scale)
+        if name.startswith("layers.") and int(name.split(".")[1]) <= layer:
+            assert torch.equal(got, torch.zeros_like(got)), name
+    assert float(chunk.values[f"layers.{layer + 1}.self_attn.attention_head_outputs"].abs().max()) > 1e-3
