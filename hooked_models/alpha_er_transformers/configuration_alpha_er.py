@@ -35,12 +35,17 @@ class AlphaErConfig(PretrainedConfig):
         vocab_size: the number of tokens.
         max_position_embeddings: the number of learned positions (the reference's `block_size`);
             `generate` pads every window to this length.
-        num_hidden_layers, hidden_size, num_attention_heads: the reference's `n_layer`, `n_embd`, `n_head`.
+        num_hidden_layers: the number of blocks (the reference's `n_layer`).
+        hidden_size: the residual width (the reference's `n_embd`).
+        num_attention_heads: the number of heads (the reference's `n_head`).
         intermediate_size: the width of all experts together (the reference's `ffn_dim`).
         mlp_experts: the number of positional experts G; a sequence's length must be a multiple of it.
-        head_dim, num_key_value_heads: derived (hidden_size/num_attention_heads, num_attention_heads) and stored
-            as Llama stores them; another value is refused.
-        lm_head_rank, attn_rank: the bottleneck ranks of the factored LM head and of qkv / the output projection.
+        head_dim: derived (hidden_size / num_attention_heads) and stored as Llama stores it; another value is
+            refused.
+        num_key_value_heads: derived (num_attention_heads: no grouping) and stored as Llama stores it; another
+            value is refused.
+        lm_head_rank: the bottleneck rank of the factored LM head.
+        attn_rank: the bottleneck rank of qkv and of the output projection.
         attn_soft_cap: scores become tanh(s/cap)·cap before the softmax; 0 turns the cap off.
         layer_norm_eps: the epsilon of every LayerNorm, the bottlenecks' included.
     """

@@ -14,16 +14,15 @@ the softmax in `eager_attention_forward`, which here comes after the soft cap.
 """
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 
-import nnterp.rename_utils
-import nnterp.utils
 import torch
-from nnterp import StandardizedTransformer
-from nnterp.rename_utils import RenameConfig
 from transformers import AutoConfig
 
-ALPHA_ER_RENAME = RenameConfig(
+# nnterp's RenameConfig fields for alpha-er; `ALPHA_ER_RENAME` is the RenameConfig made of them, built when first
+# read, so this module imports (and is documented) where nnterp is not installed.
+RENAME_FIELDS = dict(
     model_name="model",
     layers_name="model.layers",
     attn_name="self_attn",
@@ -36,27 +35,42 @@ ALPHA_ER_RENAME = RenameConfig(
 )
 
 
+def _nnterp(module: str = "nnterp"):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"{error.msg}: alpha-er under nnterp needs nnterp 1.3 with nnsight 0.6 "
+                                  "(`bash .ci/nn-env.sh` builds such an environment)") from error
+
+
+def __getattr__(name: str):
+    if name == "ALPHA_ER_RENAME":
+        return _nnterp("nnterp.rename_utils").RenameConfig(**RENAME_FIELDS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @contextlib.contextmanager
 def checks_at_length(seq: int) -> Iterator[None]:
     """nnterp checks a model on `input_ids` [[0, 1, 1]]; alpha-er refuses that length (the expert of position t is
     floor(t·G/T), so it computes only at multiples of mlp_experts). Inside this block the same checks run on
     [[0, 1, 1, ..., 1]] of length `seq`; nnterp is restored on the way out."""
-    original = nnterp.utils.dummy_inputs
+    utils, rename_utils = _nnterp("nnterp.utils"), _nnterp("nnterp.rename_utils")
+    original = utils.dummy_inputs
 
     def dummy_inputs() -> dict[str, torch.Tensor]:
         return {"input_ids": torch.tensor([[0] + [1] * (seq - 1)])}
 
-    nnterp.utils.dummy_inputs = nnterp.rename_utils.dummy_inputs = dummy_inputs
+    utils.dummy_inputs = rename_utils.dummy_inputs = dummy_inputs
     try:
         yield
     finally:
-        nnterp.utils.dummy_inputs = nnterp.rename_utils.dummy_inputs = original
+        utils.dummy_inputs = rename_utils.dummy_inputs = original
 
 
-def load_standardized(path, **kwargs) -> StandardizedTransformer:
+def load_standardized(path, **kwargs):
     """nnterp's StandardizedTransformer on an alpha-er transformers checkpoint, with ALPHA_ER_RENAME and
     nnterp's loading checks run at max_position_embeddings; `kwargs` go to StandardizedTransformer."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
     kwargs.setdefault("device_map", "cpu")
     with checks_at_length(config.max_position_embeddings):
-        return StandardizedTransformer(str(path), rename_config=ALPHA_ER_RENAME, **kwargs)
+        return _nnterp().StandardizedTransformer(str(path), rename_config=__getattr__("ALPHA_ER_RENAME"), **kwargs)
