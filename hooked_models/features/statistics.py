@@ -335,15 +335,13 @@ def _harvest_model(path: str, family: str | None):
 
 @torch.no_grad()
 def _finish(model, saes, encs, partials, rows, context_size, job) -> FeatureStatistics:
-    layers, used = [], set()
+    layers, used = [], []
     for enc, part in zip(encs, partials):
         directions = _directions(saes, enc.layer).detach()
         top, top_v, bottom, bottom_v, note = logit_table(model, directions, N_LOGITS)
         layers.append(LayerStatistics(enc.name, enc.layer, enc.transcoder_id, part, top, top_v, bottom, bottom_v, note))
-        for t in (part.top.tokens, part.samples.tokens, top, bottom):
-            used.update(t.flatten().tolist())
-    used.discard(-1)
-    ids = sorted(used)
+        used += [t.flatten().long().unique() for t in (part.top.tokens, part.samples.tokens, top, bottom)]
+    ids = [i for i in torch.cat(used).unique().tolist() if i != -1]  # unique() sorts
     if getattr(model, "tokenizer", None) is None:  # a model without one: tokens shown as their ids
         strings = {i: str(i) for i in ids}
     else:
