@@ -182,7 +182,10 @@ class Explorer:
 
     def sae_summary(self, name: str) -> dict:
         sae = self.saes[name]
-        return {"name": name, "hook": sae_hook_name(sae), "d_sae": int(sae.W_dec.shape[0]),
+        hook = sae_hook_name(sae)
+        # "value": the hook in its standard spelling, as harvests and statistics name their columns
+        value = self.model.resolve_hook_name(hook)[0] if hook in self.model.hook_dict else hook
+        return {"name": name, "hook": hook, "value": value, "d_sae": int(sae.W_dec.shape[0]),
                 "d_out": int(sae.W_dec.shape[1]), "layer": getattr(sae, "layer", None)}
 
     def prompt(self, request: PromptRequest) -> dict:
@@ -276,7 +279,10 @@ class Explorer:
         kind = ("harvest" if (path / "manifest.json").is_file() else "statistics" if (path / STATISTICS).is_file()
                 else "directory") if path.is_dir() else (
             "json" if path.suffix == ".json" else "file")
-        return {"name": path.name or shown, "path": shown, "kind": kind}
+        entry = {"name": path.name or shown, "path": shown, "kind": kind}
+        if kind in ("harvest", "statistics"):  # the values it holds: the features view picks one that fits its SAE
+            entry["values"] = _values_held(path, kind)
+        return entry
 
     def graph(self, request: GraphRequest) -> dict:
         path = self.path(request.path)
@@ -326,6 +332,16 @@ class Explorer:
             return {"token": request.token, "features": found, "sae": request.sae}
 
         return self.submit("search", work)
+
+
+def _values_held(path: Path, kind: str) -> list[str]:
+    """The hooks a harvest holds (its manifest's names) or a statistics result has layers of; none if unreadable."""
+    try:
+        if kind == "harvest":
+            return list(json.loads((path / "manifest.json").read_text())["names"])
+        return [layer["name"] for layer in json.loads((path / STATISTICS).read_text())["layers"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _per_layer(saes: Mapping[str, nn.Module]) -> dict[str, nn.Module]:

@@ -6,7 +6,7 @@ import {runPrompt} from "./prompt.js";
 import {HEAD, drawHead, runAttention} from "./attention.js";
 import {runPatch} from "./patching.js";
 import {CIRCUIT, drawCircuit, runCircuit} from "./circuits.js";
-import {openFeature, refreshFiles, searchFeatures} from "./features.js";
+import {fitHarvest, openFeature, refreshFiles, searchFeatures} from "./features.js";
 import {GRAPH, drawGraph, openGraph} from "./graph.js";
 
 // ------------------------------------------------------------------------------------------ tabs
@@ -36,6 +36,7 @@ async function start() {
   $("circuit-k").oninput = () => CIRCUIT && drawCircuit();
   $("feature-form").onsubmit = handle(() => openFeature($("feature-sae").value, +$("feature-index").value));
   $("feature-search").onclick = handle(searchFeatures);
+  $("feature-sae").onchange = fitHarvest;
   $("graph-form").onsubmit = handle(openGraph);
   $("graph-threshold").oninput = () => GRAPH && drawGraph();
   await handle(runPrompt)();
