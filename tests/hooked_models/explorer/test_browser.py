@@ -307,3 +307,22 @@ def test_graph_that_does_not_parse_is_a_message(page, errors):
         page.wait_for_function(f"document.querySelector('#error').textContent.includes({message!r})")
     assert not page.locator("#error").is_hidden()
     expect_refused(errors, 400, 403)
+
+
+def test_features_view_default_harvest_fits_its_sae(browser, arcee, data_dir, sae, errors, tmp_path):
+    """A harvest listed first that lacks the SAE's hook is not the default: the first that holds it is."""
+    import json
+
+    (tmp_path / "a_other").mkdir()
+    (tmp_path / "a_other" / "manifest.json").write_text(json.dumps({"names": ["layers.0.mlp_input"]}))
+    url, server, thread = _serve(create_app(arcee, [tmp_path, data_dir], {"resid 1": sae}))
+    try:
+        for page in _page(browser, url, errors):
+            view(page, "features")
+            page.wait_for_function("document.querySelector('#feature-harvest').value !== ''")
+            options = page.eval_on_selector_all("#harvests option", "os => os.map((o) => o.value)")
+            assert options[0].endswith("a_other")  # listed first, yet it lacks layers.1.layer_output
+            assert page.input_value("#feature-harvest").endswith("acts")
+    finally:
+        server.should_exit = True
+        thread.join(10)
