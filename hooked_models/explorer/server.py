@@ -304,6 +304,7 @@ class Explorer:
         graph = graph.checked().model_dump()
         if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings come along
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
+        _attach_examples(graph["nodes"], path.parent)
         return graph
 
     def dashboard(self, request: FeatureRequest) -> dict:
@@ -332,6 +333,29 @@ class Explorer:
             return {"token": request.token, "features": found, "sae": request.sae}
 
         return self.submit("search", work)
+
+
+# Top examples per feature node shown on hover in the graph view.
+HOVER_EXAMPLES = 3
+
+
+def _attach_examples(nodes: list[dict], directory: Path) -> None:
+    """Each transcoder node's top windows as text ("[peak]" marked), from the first `features.statistics`
+    result in the graph's directory (sorted by name; none: no examples); a layer it lacks gets none."""
+    found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / STATISTICS).is_file())
+    if not found:
+        return
+    stats = features.FeatureStatistics.load(found[0])
+    for node in nodes:
+        if "transcoder" not in node.get("feature_type", ""):
+            continue
+        layer, feature = int(node["layer"]), int(node["node_id"].split("_")[1])
+        try:
+            windows = stats[layer].top_windows(feature)[:HOVER_EXAMPLES]
+        except (KeyError, IndexError):
+            continue
+        node["examples"] = ["".join(f"[{t}]" if i == w.position - w.start else t for i, t in enumerate(w.tokens))
+                            for w in windows]
 
 
 def _values_held(path: Path, kind: str) -> list[str]:

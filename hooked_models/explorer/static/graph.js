@@ -84,7 +84,9 @@ export function drawGraph() {
       class: classes.join(" "), "data-id": node.node_id, fill: shapes[node.feature_type] || "#f59e0b",
       cx: p.x, cy: p.y, r: 6, x: p.x - 5, y: p.y - 5, width: 10, height: 10});
     mark.append(svgEl("title"));
-    mark.firstChild.textContent = `${node.node_id} (${node.feature_type}) ${node.clerp}`;
+    // its top examples (from a statistics result beside the graph, when there is one), the peak in brackets
+    mark.firstChild.textContent = `${node.node_id} (${node.feature_type}) ${node.clerp}` +
+      (node.examples || []).map((text) => `\n${text}`).join("");
     mark.onclick = () => selectNode(node.node_id);
     svg.append(mark);
   }

@@ -55,3 +55,27 @@ def test_the_listing_says_which_harvests_fit_each_sae(arcee, data_dir, sae, tran
     assert set(listed["acts"]) >= {"layers.1.layer_output", "layers.0.mlp_input", "layers.1.mlp_input"}
     fits = [name for name, values in listed.items() if saes["sae"] in values]
     assert fits[0] == "b_stats" and "a_other" not in fits
+
+
+def test_the_graph_nodes_carry_their_top_examples_from_statistics_beside_it(arcee, data_dir, transcoders, tmp_path):
+    import shutil
+
+    shutil.copy(data_dir / "real_graph.json", tmp_path / "graph.json")
+    client = TestClient(create_app(arcee, [tmp_path], {"tc": transcoders}))
+    bare = client.post("/api/graph", json={"path": str(tmp_path / "graph.json")}).json()
+    assert not any("examples" in n for n in bare["nodes"])  # no statistics beside it: no examples
+    stats = features.statistics(data_dir / "acts", transcoders, model=arcee, k=4, radius=2, progress=False)
+    stats.save(tmp_path / "stats")
+    nodes = client.post("/api/graph", json={"path": str(tmp_path / "graph.json")}).json()["nodes"]
+    shown = [n for n in nodes if "transcoder" in n["feature_type"]]
+    assert shown and all(len(n["examples"]) == min(3, len(stats[int(n["layer"])].top_windows(
+        int(n["node_id"].split("_")[1])))) for n in shown)
+    for n in shown:
+        layer, feature = int(n["layer"]), int(n["node_id"].split("_")[1])
+        for text, window in zip(n["examples"], stats[layer].top_windows(feature)):
+            peak = window.position - window.start
+            # the window's tokens in order, its peak token (the largest activation, first on a tie) in brackets
+            assert peak == window.activations.index(max(window.activations))
+            assert text == "".join(window.tokens[:peak]) + f"[{window.tokens[peak]}]" + "".join(window.tokens[peak + 1:])
+    assert any(n["examples"] for n in shown)
+    assert all("examples" not in n for n in nodes if "transcoder" not in n["feature_type"])
