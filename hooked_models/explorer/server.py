@@ -135,7 +135,10 @@ class Explorer:
 
     def sae_summary(self, name: str) -> dict:
         sae = self.saes[name]
-        return {"name": name, "hook": sae_hook_name(sae), "d_sae": int(sae.W_dec.shape[0]),
+        hook = sae_hook_name(sae)
+        # "value": the hook in its standard spelling, as harvests and statistics name their columns
+        value = self.model.resolve_hook_name(hook)[0] if hook in self.model.hook_dict else hook
+        return {"name": name, "hook": hook, "value": value, "d_sae": int(sae.W_dec.shape[0]),
                 "d_out": int(sae.W_dec.shape[1]), "layer": getattr(sae, "layer", None)}
 
     def prompt(self, request) -> dict:
@@ -249,7 +252,10 @@ class Explorer:
         kind = ("harvest" if (path / "manifest.json").is_file() else "statistics" if (path / STATISTICS).is_file()
                 else "directory") if path.is_dir() else (
             "json" if path.suffix == ".json" else "file")
-        return {"name": path.name or shown, "path": shown, "kind": kind}
+        entry = {"name": path.name or shown, "path": shown, "kind": kind}
+        if kind in ("harvest", "statistics"):  # the values it holds: the features view picks one that fits its SAE
+            entry["values"] = _values_held(path, kind)
+        return entry
 
     def graph(self, request) -> dict:
         path = self.path(request.path)
@@ -273,6 +279,7 @@ class Explorer:
         if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings and QK come along
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
             graph["qk_attributions"] = data.get("qk_attributions", [])
+        _attach_examples(graph["nodes"], path.parent)
         return graph
 
     def _name_nodes(self, graph: dict) -> None:
@@ -309,6 +316,39 @@ class Explorer:
             return {"token": request.token, "features": found, "sae": request.sae}
 
         return self.submit("search", work)
+
+
+# Top examples per feature node shown on hover in the graph view.
+HOVER_EXAMPLES = 3
+
+
+def _attach_examples(nodes: list[dict], directory: Path) -> None:
+    """Each transcoder node's top windows as text ("[peak]" marked), from the first `features.statistics`
+    result in the graph's directory (sorted by name; none: no examples); a layer it lacks gets none."""
+    found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / STATISTICS).is_file())
+    if not found:
+        return
+    stats = features.FeatureStatistics.load(found[0])
+    for node in nodes:
+        if "transcoder" not in node.get("feature_type", ""):
+            continue
+        layer, feature = int(node["layer"]), int(node["node_id"].split("_")[1])
+        try:
+            windows = stats[layer].top_windows(feature)[:HOVER_EXAMPLES]
+        except (KeyError, IndexError):
+            continue
+        node["examples"] = ["".join(f"[{t}]" if i == w.position - w.start else t for i, t in enumerate(w.tokens))
+                            for w in windows]
+
+
+def _values_held(path: Path, kind: str) -> list[str]:
+    """The hooks a harvest holds (its manifest's names) or a statistics result has layers of; none if unreadable."""
+    try:
+        if kind == "harvest":
+            return list(json.loads((path / "manifest.json").read_text())["names"])
+        return [layer["name"] for layer in json.loads((path / STATISTICS).read_text())["layers"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _per_layer(saes: Mapping[str, nn.Module]) -> dict[str, nn.Module]:

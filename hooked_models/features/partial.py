@@ -141,11 +141,15 @@ def priority(index: Int[Tensor, " entry"], feature: Int[Tensor, " entry"]) -> In
     return (h * _A + _C) % _P
 
 
-def _ranked(entries: Examples, key: Tensor, group: Tensor, limit: int) -> Examples:
+def _ranked(entries: Examples, key: Tensor, group: Tensor, limit: int, in_index_order: bool = False) -> Examples:
     """The first `limit` entries of each `group` value (a prefix of `key`'s order), ordered by `key`, ties to
-    the smaller corpus index, the kept entries in that order."""
-    order = torch.argsort(entries.index, stable=True)
-    order = order[torch.argsort(key[order], stable=True)]
+    the smaller corpus index, the kept entries in that order. `in_index_order`: entries of equal key come
+    in increasing index already (a batch's, read row-major), so one stable sort does."""
+    if in_index_order:
+        order = torch.argsort(key, stable=True)
+    else:
+        order = torch.argsort(entries.index, stable=True)
+        order = order[torch.argsort(key[order], stable=True)]
     g = group[order]
     n = g.numel()
     position = torch.arange(n)
@@ -155,27 +159,28 @@ def _ranked(entries: Examples, key: Tensor, group: Tensor, limit: int) -> Exampl
     return entries.take(order[rank < limit])
 
 
-def _select_top(entries: Examples, limits: Limits) -> Examples:
+def _select_top(entries: Examples, limits: Limits, in_index_order: bool = False) -> Examples:
     # (feature, -act) in one int64: a positive float32's bits order as the float does
     descending = (2**31 - 1) - entries.act.float().view(torch.int32).long()
-    return _ranked(entries, entries.feature * 2**31 + descending, entries.feature, limits.k)
+    return _ranked(entries, entries.feature * 2**31 + descending, entries.feature, limits.k, in_index_order)
 
 
-def _select_samples(entries: Examples, limits: Limits) -> Examples:
+def _select_samples(entries: Examples, limits: Limits, in_index_order: bool = False) -> Examples:
     group = entries.feature * limits.intervals + entries.group
-    return _ranked(entries, group * _P + entries.priority, group, limits.per_interval)
+    return _ranked(entries, group * _P + entries.priority, group, limits.per_interval, in_index_order)
 
 
-def _windows(ids: Int[Tensor, "row seq"], acts: Float[Tensor, "row seq d_sae"], row: Tensor, pos: Tensor,
+def _windows(ids: Int[Tensor, "row seq"], flat: Float[Tensor, "token d_sae"], row: Tensor, pos: Tensor,
              feature: Tensor, radius: int) -> tuple[Tensor, Tensor]:
     """Each entry's window: token ids and the feature's activations at pos - radius ... pos + radius,
-    token -1 and activation 0 outside the row."""
-    seq = ids.shape[1]
+    token -1 and activation 0 outside the row (`flat` the batch's activations, row-major)."""
+    seq, d = ids.shape[1], flat.shape[1]
     at = pos[:, None] + torch.arange(-radius, radius + 1)[None, :]
     inside = (at >= 0) & (at < seq)
-    at = at.clamp(0, seq - 1)
-    tokens = torch.where(inside, ids[row[:, None], at].to(torch.int32), -1)
-    values = torch.where(inside, acts[row[:, None], at, feature[:, None]], 0.0)
+    token = row[:, None] * seq + at.clamp(0, seq - 1)
+    # one flat gather each (cheaper than indexing by three index tensors)
+    tokens = torch.where(inside, ids.reshape(-1).take(token).to(torch.int32), -1)
+    values = torch.where(inside, flat.reshape(-1).take(token * d + feature[:, None]), 0.0)
     return tokens, values
 
 
@@ -198,13 +203,20 @@ def of_batch(acts: Float[Tensor, "row seq d_sae"], ids: Int[Tensor, "row seq"], 
     if acts.numel() == 0:
         return part
     flat = acts.reshape(-1, d)
-    peak, where = acts.max(dim=1)  # [row d_sae]: each row's peak, its first position on a tie
-    part.act_min, part.act_max = flat.min(0).values, peak.max(0).values
+    # Everything from the nonzero entries alone (a TopK's few per token): one pass over the dense batch.
+    token, feature = flat.nonzero(as_tuple=True)
+    value = flat.reshape(-1).take(token * d + feature)
+    # min and max exact from the nonzero ones, and 0 where a feature was zero somewhere
+    some_zero = torch.bincount(feature, minlength=d) < rows * seq
+    part.act_min = torch.full((d,), float("inf")).scatter_reduce_(0, feature, value, "amin")
+    part.act_max = torch.full((d,), float("-inf")).scatter_reduce_(0, feature, value, "amax")
+    part.act_min = torch.where(some_zero, part.act_min.clamp(max=0.0), part.act_min)
+    part.act_max = torch.where(some_zero, part.act_max.clamp(min=0.0), part.act_max)
     fired = part.act_max > 0
     # max = m·2^e with m in [0.5, 1): every activation lies in [0, 2^e)
     part.exponent = torch.where(fired, torch.frexp(part.act_max).exponent.long(), NEVER)
-    token, feature = (flat > 0).nonzero(as_tuple=True)
-    value = flat[token, feature]
+    positive = value > 0
+    token, feature, value = token[positive], feature[positive], value[positive]
     part.active = torch.bincount(feature, minlength=d)
     exponent = part.exponent[feature]
     bins = _scaled_index(value, exponent, limits.bins)
@@ -213,16 +225,21 @@ def of_batch(acts: Float[Tensor, "row seq d_sae"], ids: Int[Tensor, "row seq"], 
     # a sample per interval: the smallest priorities of each (feature, interval)
     entries = _unwindowed(feature, _scaled_index(value, exponent, limits.intervals), priority(index, feature), value,
                           index)
-    kept = _select_samples(entries, limits)
+    kept = _select_samples(entries, limits, in_index_order=True)  # nonzero() reads row-major
     part.samples = Examples(kept.feature, kept.group, kept.priority, kept.act, kept.index,
-                            *_windows(ids, acts, kept.index // seq - first_row, kept.index % seq, kept.feature, limits.radius))
-    # the top windows: one per row, at the row's peak
-    row, feature = (peak > 0).nonzero(as_tuple=True)
-    index = (first_row + row) * seq + where[row, feature]
-    entries = _unwindowed(feature, torch.zeros_like(feature), torch.zeros_like(feature), peak[row, feature], index)
-    kept = _select_top(entries, limits)
+                            *_windows(ids, flat, kept.index // seq - first_row, kept.index % seq, kept.feature, limits.radius))
+    # the top windows: one per row, at the row's peak (its first position on a tie), from the positive entries
+    cell = (token // seq) * d + feature
+    peak = torch.zeros(rows * d).scatter_reduce_(0, cell, value, "amax")
+    at_peak = value == peak[cell]
+    where = torch.full((rows * d,), seq).scatter_reduce_(0, cell[at_peak], token[at_peak] % seq, "amin")
+    cell = (peak > 0).nonzero(as_tuple=True)[0]
+    row, feature = cell // d, cell % d
+    index = (first_row + row) * seq + where[cell]
+    entries = _unwindowed(feature, torch.zeros_like(feature), torch.zeros_like(feature), peak[cell], index)
+    kept = _select_top(entries, limits, in_index_order=True)  # a feature's cells in row order
     part.top = Examples(kept.feature, kept.group, kept.priority, kept.act, kept.index,
-                        *_windows(ids, acts, kept.index // seq - first_row, kept.index % seq, kept.feature, limits.radius))
+                        *_windows(ids, flat, kept.index // seq - first_row, kept.index % seq, kept.feature, limits.radius))
     return part
 
 

@@ -112,33 +112,38 @@ class StatisticsWorker(Worker):
     returns the partials serialised. `on_batch(tokens)` (local runs) reports each batch."""
 
     on_batch = None
+    _view = None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        plan = self.plan
-        names = sorted({e.name for e in plan.encoders})
-        view = None if plan.harvest is None else open_harvest(plan.harvest).with_format("torch", columns=[*names, "token_ids"])
         shards, blobs = [], []
         for shard in batch["shard"].tolist():
-            start, stop = plan.shard_rows(shard)
-            partials = [[Partial.empty(plan.limits)] for _ in plan.encoders]
-            for first in range(start, stop, plan.batch_size):
-                last = min(first + plan.batch_size, stop)
-                ids, values = self._rows(view, names, first, last)
-                with torch.no_grad():
-                    for i, encoder in enumerate(plan.encoders):
-                        acts = _encode(plan.saes, encoder, values[encoder.name])
-                        partials[i].append(of_batch(acts, ids, first, plan.limits))
-                        if len(partials[i]) == MERGE_EVERY:  # merged a few batches at a time: fewer sorts
-                            partials[i] = [merge_all(partials[i])]
-                if self.on_batch is not None:
-                    self.on_batch((last - first) * plan.context_size)
-            partials = [merge_all(parts) for parts in partials]
             tensors = {}
-            for i, part in enumerate(partials):
+            for i, part in enumerate(self.partials(shard)):
                 tensors.update(part.tensors(f"{i}."))
             shards.append(shard)
             blobs.append(save(tensors))
         return {"shard": np.asarray(shards, dtype=np.int64), "partial": np.asarray(blobs, dtype=object)}
+
+    def partials(self, shard: int) -> list[Partial]:
+        """One shard's partial per encoder (a local run merges these as they are, unserialised)."""
+        plan = self.plan
+        names = sorted({e.name for e in plan.encoders})
+        if plan.harvest is not None and self._view is None:  # opened once per worker, not once per shard
+            self._view = open_harvest(plan.harvest).with_format("torch", columns=[*names, "token_ids"])
+        start, stop = plan.shard_rows(shard)
+        partials = [[Partial.empty(plan.limits)] for _ in plan.encoders]
+        for first in range(start, stop, plan.batch_size):
+            last = min(first + plan.batch_size, stop)
+            ids, values = self._rows(self._view, names, first, last)
+            with torch.no_grad():
+                for i, encoder in enumerate(plan.encoders):
+                    acts = _encode(plan.saes, encoder, values[encoder.name])
+                    partials[i].append(of_batch(acts, ids, first, plan.limits))
+                    if len(partials[i]) == MERGE_EVERY:  # merged a few batches at a time: fewer sorts
+                        partials[i] = [merge_all(partials[i])]
+            if self.on_batch is not None:
+                self.on_batch((last - first) * plan.context_size)
+        return [merge_all(parts) for parts in partials]
 
     def _rows(self, view, names, first, last):
         if view is not None:
@@ -265,13 +270,12 @@ def statistics(source, saes: nn.Module, *, model=None, dataset=None, k: int = 8,
         if engine == "local":
             worker = StatisticsWorker(worker_model, plan)
             worker.on_batch = bar.advance
-            results = (_first_row(worker({"shard": np.asarray([s])})) for s in todo)
+            results = ((s, worker.partials(s)) for s in todo)  # no serialising in one process
         else:
-            results = run(StatisticsWorker, worker_model, plan, [{"shard": s} for s in todo], engine, num_workers)
-        for result in results:
-            shard = int(result["shard"])
-            tensors = load_bytes(bytes(result["partial"]))
-            partials = [merge(p, Partial.from_tensors(limits, tensors, f"{i}.")) for i, p in enumerate(partials)]
+            results = (_deserialised(r, limits, len(encs)) for r in
+                       run(StatisticsWorker, worker_model, plan, [{"shard": s} for s in todo], engine, num_workers))
+        for shard, shard_partials in results:
+            partials = [merge(p, q) for p, q in zip(partials, shard_partials)]
             done.add(shard)
             if engine != "local":
                 bar.advance(_shard_rows(plan, shard) * context_size)
@@ -284,8 +288,9 @@ def statistics(source, saes: nn.Module, *, model=None, dataset=None, k: int = 8,
     return result
 
 
-def _first_row(batch: dict) -> dict:
-    return {key: value[0] for key, value in batch.items()}
+def _deserialised(result: dict, limits: Limits, n: int) -> tuple[int, list[Partial]]:
+    tensors = load_bytes(bytes(result["partial"]))
+    return int(result["shard"]), [Partial.from_tensors(limits, tensors, f"{i}.") for i in range(n)]
 
 
 def _shard_rows(plan: StatisticsPlan, shard: int) -> int:
@@ -335,15 +340,13 @@ def _harvest_model(path: str, family: str | None):
 
 @torch.no_grad()
 def _finish(model, saes, encs, partials, rows, context_size, job) -> FeatureStatistics:
-    layers, used = [], set()
+    layers, used = [], []
     for enc, part in zip(encs, partials):
         directions = _directions(saes, enc.layer).detach()
         top, top_v, bottom, bottom_v, note = logit_table(model, directions, N_LOGITS)
         layers.append(LayerStatistics(enc.name, enc.layer, enc.transcoder_id, part, top, top_v, bottom, bottom_v, note))
-        for t in (part.top.tokens, part.samples.tokens, top, bottom):
-            used.update(t.flatten().tolist())
-    used.discard(-1)
-    ids = sorted(used)
+        used += [t.flatten().long().unique() for t in (part.top.tokens, part.samples.tokens, top, bottom)]
+    ids = [i for i in torch.cat(used).unique().tolist() if i != -1]  # unique() sorts
     if getattr(model, "tokenizer", None) is None:  # a model without one: tokens shown as their ids
         strings = {i: str(i) for i in ids}
     else:

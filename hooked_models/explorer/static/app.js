@@ -6,7 +6,7 @@ import {runPrompt} from "./prompt.js";
 import {HEAD, drawHead, runAttention} from "./attention.js";
 import {runPatch} from "./patching.js";
 import {CIRCUIT, drawCircuit, runCircuit} from "./circuits.js";
-import {openFeature, refreshFiles, searchFeatures} from "./features.js";
+import {fitHarvest, openFeature, refreshFiles, searchFeatures} from "./features.js";
 import {GRAPH, drawGraph, openGraph} from "./graph.js";
 
 // ------------------------------------------------------------------------------------------ tabs
@@ -40,6 +40,7 @@ async function start() {
                                       "feature-board");
   $("feature-search").onclick = handle(searchFeatures, "feature-found");
   $("graph-form").onsubmit = handle(openGraph, "graph-svg", "graph-detail", "graph-title", "graph-count");
+  $("feature-sae").onchange = fitHarvest;
   $("graph-threshold").oninput = () => GRAPH && drawGraph();
   // the queue in the header, every job that runs or waits (whoever started it: another tab, a script)
   setInterval(() => showQueue().catch(() => {}), 1000);

@@ -1,5 +1,5 @@
 // The features view: a feature's dashboard over a harvest, and the features most active on a token.
-import {$, api, el, fmt, handle, runJob} from "./common.js";
+import {$, api, el, fmt, handle, runJob, session} from "./common.js";
 
 export async function refreshFiles() {
   const harvests = $("harvests"), graphs = $("graph-files");
@@ -10,11 +10,27 @@ export async function refreshFiles() {
     const listed = [root, ...(await api(`/api/files?path=${encodeURIComponent(root.path)}`)).entries];
     for (const entry of listed) {
       // a features.statistics result opens any feature at once, read from it
-      if (entry.kind === "harvest" || entry.kind === "statistics") harvests.append(el("option", {value: entry.path}));
+      if (entry.kind === "harvest" || entry.kind === "statistics") {
+        harvests.append(el("option", {value: entry.path}));
+        held.set(entry.path, entry.values || []);
+      }
       if (entry.kind === "json") graphs.append(el("option", {value: entry.path}));
     }
   }
-  if (!$("feature-harvest").value && harvests.firstChild) $("feature-harvest").value = harvests.firstChild.value;
+  fitHarvest();
+}
+
+// the values each listed harvest or statistics result holds, by path (from /api/files)
+const held = new Map();
+
+// The default harvest fits the chosen SAE: the first listed that holds its hook (a user's own choice stays).
+export function fitHarvest() {
+  const sae = (session.model?.saes || []).find((s) => s.name === $("feature-sae").value);
+  const current = $("feature-harvest").value;
+  if (current && !held.has(current)) return;  // typed in by the user
+  if (current && sae && held.get(current).includes(sae.value)) return;
+  const fits = [...held.keys()].find((path) => !sae || held.get(path).includes(sae.value));
+  if (fits !== undefined) $("feature-harvest").value = fits;
 }
 
 // ------------------------------------------------------------------------------------------ features

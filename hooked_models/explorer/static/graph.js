@@ -138,7 +138,9 @@ export function drawGraph() {
       class: classes.join(" "), "data-id": node.node_id, fill: KINDS[node.feature_type] || FEATURE,
       ...(error ? {x: p.x - R + 1, y: p.y - R + 1, width: 2 * R - 2, height: 2 * R - 2} : {cx: p.x, cy: p.y, r: R})});
     mark.append(svgEl("title"));
-    mark.firstChild.textContent = `${nodeName(node, tokens)} (${kindOf(node)}); influence ${fmt(node.influence)}`;
+    // its top examples (from a statistics result beside the graph, when there is one), the peak in brackets
+    mark.firstChild.textContent = `${nodeName(node, tokens)} (${kindOf(node)}); influence ${fmt(node.influence)}` +
+      (node.examples || []).map((text) => `\n${text}`).join("");
     mark.onclick = () => selectNode(node.node_id);
     svg.append(mark);
   }

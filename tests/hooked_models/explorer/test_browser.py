@@ -6,6 +6,7 @@ EXPLORER_SCREENSHOTS=DIR keeps the screenshots there (docs/explorer/screenshots.
 """
 
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -453,3 +454,50 @@ def test_no_two_graph_nodes_overlap(browser, base_url, errors, graph, size):
             assert ((x - x2) ** 2 + (y - y2) ** 2) ** 0.5 >= r + r2, "two nodes overlap"
     assert errors == []
     page.close()
+def test_features_view_default_harvest_fits_its_sae(browser, arcee, data_dir, sae, errors, tmp_path):
+    """A harvest listed first that lacks the SAE's hook is not the default: the first that holds it is."""
+    import json
+
+    (tmp_path / "a_other").mkdir()
+    (tmp_path / "a_other" / "manifest.json").write_text(json.dumps({"names": ["layers.0.mlp_input"]}))
+    url, server, thread = _serve(create_app(arcee, [tmp_path, data_dir], {"resid 1": sae}))
+    try:
+        for page in _page(browser, url, errors):
+            view(page, "features")
+            page.wait_for_function("document.querySelector('#feature-harvest').value !== ''")
+            options = page.eval_on_selector_all("#harvests option", "os => os.map((o) => o.value)")
+            assert options[0].endswith("a_other")  # listed first, yet it lacks layers.1.layer_output
+            assert page.input_value("#feature-harvest").endswith("acts")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_graph_view_hover_shows_top_examples(browser, arcee, data_dir, transcoders, errors, tmp_path):
+    """With a statistics result beside the graph, a feature node's hover text (its <title>) ends with its top
+    windows, the peak token in brackets, as the library's statistics hold them."""
+    import shutil
+
+    from hooked_models import features
+
+    shutil.copy(data_dir / "real_graph.json", tmp_path / "graph.json")  # with its tensors' side file
+    shutil.copy(data_dir / "real_graph.tensors.safetensors", tmp_path / "real_graph.tensors.safetensors")  # under the name the JSON records
+    stats = features.statistics(data_dir / "acts", transcoders, model=arcee, k=4, radius=1, progress=False)
+    stats.save(tmp_path / "stats")
+    url, server, thread = _serve(create_app(arcee, [tmp_path], {"tc": transcoders}))
+    try:
+        for page in _page(browser, url, errors):
+            view(page, "graph")
+            page.fill("#graph-path", str(tmp_path / "graph.json"))
+            page.click("#graph-form button")
+            page.wait_for_selector("#graph-svg .node")
+            page.locator("#graph-threshold").fill("1")
+            written = json.loads((tmp_path / "graph.json").read_text())
+            node = next(n for n in written["nodes"] if "transcoder" in n["feature_type"])
+            window = stats[int(node["layer"])].top_windows(int(node["node_id"].split("_")[1]))[0]
+            peak = window.position - window.start
+            title = page.locator(f"#graph-svg .node[data-id='{node['node_id']}'] title").first.text_content()
+            assert f"\n{''.join(window.tokens[:peak])}[{window.tokens[peak]}]" in title
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -49,9 +49,10 @@ def test_model_description(client, arcee):
     assert (described["num_layers"], described["num_heads"], described["num_kv_heads"]) == (2, 4, 2)
     assert "layer_input" in described["values"] and "attention_head_outputs" in described["values"]
     assert described["saes"] == [
-        {"name": "resid 1", "hook": "blocks.1.hook_resid_post", "d_sae": 32, "d_out": 64, "layer": 1},
-        {"name": "tc[0]", "hook": "layers.0.mlp_input", "d_sae": 8, "d_out": 64, "layer": 0},   # a TranscoderSet:
-        {"name": "tc[1]", "hook": "layers.1.mlp_input", "d_sae": 8, "d_out": 64, "layer": 1}]   # each layer's
+        {"name": "resid 1", "hook": "blocks.1.hook_resid_post", "value": "layers.1.layer_output",
+         "d_sae": 32, "d_out": 64, "layer": 1},
+        {"name": "tc[0]", "hook": "layers.0.mlp_input", "value": "layers.0.mlp_input", "d_sae": 8, "d_out": 64, "layer": 0},   # a TranscoderSet:
+        {"name": "tc[1]", "hook": "layers.1.mlp_input", "value": "layers.1.mlp_input", "d_sae": 8, "d_out": 64, "layer": 1}]   # each layer's
 
 
 @pytest.mark.parametrize("family", ["arcee", "alpha_er"])
