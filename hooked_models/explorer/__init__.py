@@ -7,7 +7,7 @@ activation patching, circuits, feature dashboards, attribution graphs), offline.
     serve(model, data=["out"], saes={"resid 1": sae}, port=8000)    # from a script
 
 The server (`server.py`, FastAPI) answers a small JSON API that the page (`static/`, plain JavaScript with
-Plotly's cartesian bundle vendored) and scripts call; README.md documents it.
+Plotly's cartesian bundle vendored) and scripts call; docs/guide/explorer.md documents it.
 """
 
 from hooked_models.explorer.server import Explorer, create_app

@@ -3,7 +3,7 @@
 The oracle for one edge is computed here from the model's own modules: the writer's corrupted-minus-clean
 output, added to the stream that the reader is recomputed from (a head's projection of the normed stream,
 the MLP of the normed stream, or the final stream), nothing else changed. Accuracy figures on the embedded
-IOI models are asserted with margin below what was measured (see the README's Circuits section).
+IOI models are asserted with margin below what was measured (see docs/guide/circuits.md).
 """
 
 import re

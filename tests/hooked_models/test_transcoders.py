@@ -347,7 +347,7 @@ def test_training_explains_the_mlps(embedded_harvest):
     outputs on held-out prompts: on the embedded Arcee, above 0.9 of each layer's variance and 0.8 of
     the next-token loss (measured 0.94, 0.99; 0.88); on alpha-er, whose first layer's positional experts
     are harder, above 0.4 (measured 0.51, 0.91; 0.51). The shipped transcoders, trained longer, meet
-    the README's bounds (test_shipped_transcoders_meet_their_stated_fidelity)."""
+    the bounds docs/guide/transcoders.md states (test_shipped_transcoders_meet_their_stated_fidelity)."""
     from hooked_models.embedded.task import make_ioi_prompts
     from hooked_models.transcoders import TrainingConfig, train_transcoders
 

@@ -1,4 +1,4 @@
-// The explorer's page: six views over the server's JSON API (README "The explorer"), one module each. It
+// The explorer's page: six views over the server's JSON API (docs/guide/explorer.md), one module each. It
 // draws what the server sends; every number comes from the library. Plotly draws heatmaps and curves; the
 // two graphs (circuits, attribution) are plain SVG laid out by layer and position.
 import {$, api, el, handle, session, showError, showQueue} from "./common.js";

@@ -1,5 +1,5 @@
 """The transcoders shipped with the embedded models: small, loadable for their model only, and as
-faithful as the README states, measured here again on the held-out prompts their training.json names."""
+faithful as docs/guide/transcoders.md states, measured here again on the held-out prompts their training.json names."""
 
 import json
 
@@ -12,7 +12,7 @@ from hooked_models.embedded.train_transcoders import HELD_OUT_PROMPTS, HELD_OUT_
 from hooked_models.families import load_model
 from hooked_models.transcoders import TranscoderSet, load_transcoders, transcoder_fidelity
 
-# The README's bounds (section "Attribution graphs"): each layer's MLP-output variance explained, and the
+# The bounds docs/guide/transcoders.md states: each layer's MLP-output variance explained, and the
 # next-token loss recovered with every MLP replaced (no error terms), on 512 held-out IOI prompts.
 BOUNDS = {"arcee": (0.99, 0.99), "alpha_er": (0.95, 0.98)}
 
