@@ -2,7 +2,8 @@
 (Playwright's own browser download is never used). Each view loads with no console error, one interaction
 works, and a screenshot is taken and is not blank. One server and one browser for the module.
 
-EXPLORER_SCREENSHOTS=DIR keeps the screenshots there (docs/explorer/screenshots.py regenerates the ones docs/guide/explorer.md shows).
+EXPLORER_SCREENSHOTS=DIR keeps the screenshots there (docs/explorer/screenshots.py regenerates the ones
+docs/guide/explorer.md shows).
 """
 
 import io
