@@ -331,9 +331,9 @@ def test_direct_logit_attribution_sums_to_the_logit_difference(run):
 @pytest.mark.parametrize("family", ["arcee", "alpha_er"])
 def test_dla_of_the_embedded_models_sums_to_the_logit_difference_within_the_readme_bound(family):
     """docs/guide/transformer-lens.md's claim: on the embedded IOI models, in float32, a full decomposition's
-    attributions plus readout_bias_attrs are the logit difference to within 1e-6 of the logits' scale (max |logit|). Not bit
-    for bit: hundreds of float32 terms summed in another order than the forward adds them (measured: at
-    most 3.3e-7 of the scale)."""
+    attributions plus readout_bias_attrs are the logit difference to within 1e-6 of the logits' scale
+    (max |logit|). Not bit for bit: hundreds of float32 terms summed in another order than the forward adds
+    them (measured: at most 3.3e-7 of the scale)."""
     from hooked_models import HookedAlphaEr, HookedArcee
     from hooked_models.embedded.task import make_ioi_prompts
 
