@@ -26,7 +26,6 @@ equal at every position but 0 (circuit-tracer zeroes position 0, the BOS, as in 
 time ratio of that forward. No results file: the test (tests/test_circuit_tracer_alpha_er.py) runs it live.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -39,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # The Arcee comparison's helpers; importing it imports nothing of hooked_models (the side half needs that).
-from benchmarks.circuit_tracer_compare import SIDE_PYTHON, jumprelu_transcoders, timed  # noqa: E402
+from benchmarks.circuit_tracer_compare import SIDE_PYTHON, jumprelu_transcoders, side_parser, timed  # noqa: E402
 
 PROMPT = "When Mary and John went to the store together, John gave a drink to"   # 16 tokens: block_size
 
@@ -130,15 +129,8 @@ def side_by_side(model, prompt: str = PROMPT, d_transcoder: int = 128, *, rounds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--side", action="store_true", help="the circuit-tracer half (run in .ci/ct-env)")
-    parser.add_argument("--model", type=Path, help="(--side) the AlphaErForCausalLM directory")
-    parser.add_argument("--transcoders", type=Path, help="(--side) the transcoders' directory")
-    parser.add_argument("--tokens", help="(--side) the prompt's token ids, as JSON")
-    parser.add_argument("--out", type=Path, help="(--side) where to save what it computed")
-    parser.add_argument("--side-python", type=Path, default=SIDE_PYTHON,
-                        help="the side environment's python (default: %(default)s)")
-    parser.add_argument("--prompt", default=PROMPT)
+    parser = side_parser(__doc__, "the AlphaErForCausalLM directory", "where to save what it computed")
+    parser.set_defaults(prompt=PROMPT)  # this module's prompt: 16 tokens, alpha-er's block_size
     parser.add_argument("--d-transcoder", type=int, default=128, help="transcoder width (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="timed calls after a warm-up; the median is reported")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, both sides (default: torch's)")

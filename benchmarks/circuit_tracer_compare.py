@@ -240,16 +240,23 @@ def random_arcee(directory: Path, tokenizer, seed: int = 0):
     return HookedArcee.from_pretrained(directory).eval()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def side_parser(doc: str, model: str, out: str) -> argparse.ArgumentParser:
+    """The arguments both halves of a side-by-side benchmark share: the circuit-tracer half's inputs (`model`,
+    `out`: what its --model and --out name) and the side environment's python."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--side", action="store_true", help="the circuit-tracer half (run in .ci/ct-env)")
-    parser.add_argument("--model", type=Path, help="(--side) the model's directory")
+    parser.add_argument("--model", type=Path, help=f"(--side) {model}")
     parser.add_argument("--transcoders", type=Path, help="(--side) the transcoders' directory")
     parser.add_argument("--tokens", help="(--side) the prompt's token ids, as JSON")
-    parser.add_argument("--out", type=Path, help="(--side) where to save its graph")
+    parser.add_argument("--out", type=Path, help=f"(--side) {out}")
     parser.add_argument("--side-python", type=Path, default=SIDE_PYTHON,
                         help="the side environment's python (default: %(default)s)")
     parser.add_argument("--prompt", default=PROMPT)
+    return parser
+
+
+def main() -> None:
+    parser = side_parser(__doc__, "the model's directory", "where to save its graph")
     parser.add_argument("--seqs", type=int, nargs="+", default=[16, 64],
                         help="prompt lengths, one case each: the prompt continued by random tokens (default: %(default)s)")
     parser.add_argument("--d-transcoder", type=int, nargs="+", default=[256, 1024],
