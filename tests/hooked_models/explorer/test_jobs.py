@@ -35,14 +35,17 @@ def call(url: str, path: str, body: dict | None = None, method: str | None = Non
         return json.loads(answer.read())
 
 
-def long_job(batches: int, hooked: list, started: threading.Event):
+def long_job(batches: int, hooked: list, started: threading.Event, begun_cancelled: list | None = None):
     """A job of `batches` hooked forwards of PROMPT, reporting a Step after each, as the library's long
-    functions do: `batches` large enough, it would run for minutes. `hooked` records each batch's model."""
+    functions do: `batches` large enough, it would run for minutes. `hooked` records each batch's model;
+    `begun_cancelled`, when given, each batch begun after the job's cancel was requested."""
 
     def work(model, job):
         tokens = model.to_tokens(PROMPT)
         mark = [("layers.0.layer_input", lambda value, hook: value * 1.0)]
         for done in range(batches):
+            if job.cancel_requested and begun_cancelled is not None:
+                begun_cancelled.append(done)
             with torch.no_grad(), model.hooks(fwd_hooks=mark):
                 model(tokens)
             hooked.append(model)
@@ -90,8 +93,8 @@ def served(arcee):
 def test_views_answer_while_a_job_runs_and_a_cancelled_job_leaves_the_model_as_it_was(served, arcee):
     url, explorer = served
     before = {name: tensor.clone() for name, tensor in arcee.state_dict().items()}
-    hooked, started = [], threading.Event()
-    job = explorer.submit("long", long_job(10**6, hooked, started))["job"]
+    hooked, started, begun_cancelled = [], threading.Event(), []
+    job = explorer.submit("long", long_job(10**6, hooked, started, begun_cancelled))["job"]
     assert started.wait(30)
 
     # 5 clients, 10 interactive requests each (prompt, attention, the model): each answers, none after the job
@@ -123,11 +126,11 @@ def test_views_answer_while_a_job_runs_and_a_cancelled_job_leaves_the_model_as_i
     assert [(j["id"], j["state"], j["place"]) for j in queue] == [(job, "running", 0), (second, "queued", 1)]
     assert call(url, f"/api/jobs/{second}", method="DELETE")["state"] == "cancelled"
 
-    # cancel the long one: it stops at its next batch, with no hook left on either model and the weights as before
-    at_cancel = len(hooked)
+    # cancel the long one: it stops at its next batch (the one running when the cancel came finishes, none begins
+    # after it), with no hook left on either model and the weights as before
     call(url, f"/api/jobs/{job}", method="DELETE")
     wait_for(lambda: call(url, f"/api/jobs/{job}")["state"] == "cancelled", "the cancel")
-    assert len(hooked) <= at_cancel + 1
+    assert begun_cancelled == []
     assert call(url, f"/api/jobs/{second}")["state"] == "cancelled" and call(url, "/api/jobs")["jobs"] == []
     assert hooks_left(arcee) == 0 and hooks_left(explorer.queue.model) == 0
     after = arcee.state_dict()
