@@ -85,7 +85,7 @@ def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> 
         else:
             layer, pos, feature = prompt.active[c.index].tolist()
             for t in written_layers(tcs, layer):
-                writes[t, r, pos] = prompt.activations[c.index] * tcs.decoder(layer, t)[feature].to(dtype)
+                writes[t, r, pos] = prompt.activations[c.index] * tcs.decoder_rows(layer, t, [feature])[0].to(dtype)
     everything = [r for r, c in enumerate(rows) if c is _ALL]
     for r in everything:
         embedding[r] = prompt.embedding
