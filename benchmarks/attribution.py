@@ -12,8 +12,9 @@ the embedded Arcee and alpha-er with their shipped transcoders (all features, he
 random 8-layer, 1024-wide GQA Arcee (the benchmarks' shape) with random TopK transcoders (k features
 per layer and position, so the feature count is layers x positions x k), head loadings off. `--afm`:
 the synthetic AFM-4.5B checkpoint of benchmarks/load_4_5b.py in bfloat16 with per-layer transcoders of
-8,192 random features (bfloat16), a 32-token prompt, 512 features, head loadings and QK for the pruned
-graph; target peak RSS <= 1.5x checkpoint + transcoders.
+8,192 random features (bfloat16) written to safetensors files and read lazily (`--afm-resident`: loaded
+whole), a 32-token prompt, 512 features, head loadings and QK for the pruned graph; target peak RSS <= 1.5x
+checkpoint + transcoders.
 Results go to benchmarks/results/attribution.json (--afm: attribution_afm.json), which
 benchmarks/figures.py renders into the READMEs.
 """
@@ -102,10 +103,36 @@ def random_arcee_runs(seqs: list[int], budgets: list[int | None], all_up_to: int
             record("random_arcee", {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result})
 
 
+def write_random_transcoders(model, directory: Path, d_transcoder: int, k: int, dtype=torch.bfloat16,
+                            seed: int = 0) -> int:
+    """`random_transcoders`' set written in circuit-tracer's layout one layer at a time (never all resident):
+    returns the files' bytes."""
+    from safetensors.torch import save_file
+
+    from hooked_models.transcoders import FEATURE_INPUT_HOOK, FEATURE_OUTPUT_HOOK
+
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for layer in range(model.cfg.num_layers):
+        tc = Transcoder(model.cfg.hidden_size, d_transcoder, layer=layer, activation="topk", k=k, dtype=dtype)
+        init_transcoder_(tc, seed + layer)
+        files.append(f"layer_{layer}.safetensors")
+        save_file(tc.state_for_file(), str(directory / files[-1]))
+        del tc
+    config = {"model_kind": "transcoder_set", "feature_input_hook": FEATURE_INPUT_HOOK,
+              "feature_output_hook": FEATURE_OUTPUT_HOOK, "activation": "topk", "k": k,
+              "d_transcoder": d_transcoder, "transcoders": files}
+    import yaml
+
+    (directory / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return sum((directory / f).stat().st_size for f in files)
+
+
 def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int, seq: int = 32,
-            head_loadings: str | bool = "pruned") -> dict:
-    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders, one `seq`-token prompt, head
-    loadings and QK for the pruned graph (unless `head_loadings` is False)."""
+            head_loadings: str | bool = "pruned", lazy: bool = True) -> dict:
+    """AFM-4.5B's shape, bfloat16, 8,192-feature per-layer transcoders written to safetensors files and
+    read lazily (`load_transcoders(dir, lazy=True)`; `lazy=False`: all resident), one `seq`-token prompt,
+    head loadings and QK for the pruned graph (unless `head_loadings` is False)."""
     from benchmarks.load_4_5b import write_checkpoint
     from hooked_models.families.arcee import AFM_4_5B
 
@@ -116,20 +143,42 @@ def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int
         model = HookedArcee.from_pretrained(directory, dtype=torch.bfloat16).eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        transcoders = random_transcoders(model, 8192, 32, dtype=torch.bfloat16)
+        tc_dir = directory / "transcoders"
+        transcoder_bytes = write_random_transcoders(model, tc_dir, 8192, 32)
+        transcoders = load_transcoders(tc_dir, model=model, lazy=lazy)
         for p in transcoders.parameters():
             p.requires_grad_(False)
-        transcoder_bytes = sum(p.numel() * p.element_size() for p in transcoders.parameters())
+        resident = sum(p.numel() * p.element_size() for p in transcoders.parameters())
+        phases = phase_clock()
         result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes,
-                         batch_size=batch_size, head_loadings=head_loadings)
+                         batch_size=batch_size, head_loadings=head_loadings, progress=phases)
         budget = checkpoint_bytes + transcoder_bytes
         return {"model": "AFM-4.5B shape (synthetic, bfloat16)", "d_transcoder": 8192, "k": 32,
-                "checkpoint_bytes": checkpoint_bytes, "transcoder_bytes": transcoder_bytes,
+                "lazy_transcoders": lazy, "checkpoint_bytes": checkpoint_bytes, "transcoder_bytes": transcoder_bytes,
+                "transcoder_bytes_resident_before": resident,
                 "peak_over_checkpoint_plus_transcoders": round(result["peak_rss_bytes"] / budget, 3),
-                "target": "<= 1.5", **result}
+                "target": "<= 1.5", "phase_cpu_s": phases.totals(), **result}
     finally:
         if not keep:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+class phase_clock:
+    """A `progress=` callable that adds up the CPU seconds spent in each phase the run reports."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self.phase, self.at = None, time.process_time()
+
+    def __call__(self, step) -> None:
+        now = time.process_time()
+        if self.phase is not None:
+            self.phases[self.phase] = self.phases.get(self.phase, 0.0) + now - self.at
+        self.phase, self.at = step.phase, now
+
+    def totals(self) -> dict[str, float]:
+        self(type("End", (), {"phase": None})())
+        return {name: round(value, 2) for name, value in self.phases.items()}
 
 
 def scale_run(seq: int = 64, max_feature_nodes: int = 2048, d_transcoder: int = 4096, k: int = 16) -> dict:
@@ -208,6 +257,7 @@ def main() -> None:
     parser.add_argument("--afm-features", type=int, default=512, help="max_feature_nodes of the AFM run")
     parser.add_argument("--afm-seq", type=int, default=32, help="the AFM run's prompt length")
     parser.add_argument("--afm-no-heads", action="store_true", help="the AFM run without head loadings and QK")
+    parser.add_argument("--afm-resident", action="store_true", help="the AFM run's transcoders all resident")
     parser.add_argument("--batch-size", type=int, default=16, help="the AFM run's targets per backward pass")
     parser.add_argument("--seqs", type=int, nargs="+", default=[8, 16, 32], help="random Arcee prompt lengths")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 0],
@@ -229,7 +279,7 @@ def main() -> None:
     if args.afm:
         results = Results("attribution_afm")
         figures = afm_run(args.afm_dir, args.keep, args.afm_features, args.batch_size, args.afm_seq,
-                          False if args.afm_no_heads else "pruned")
+                          False if args.afm_no_heads else "pruned", lazy=not args.afm_resident)
         print(figures, flush=True)
         results.save(figures)
         return
