@@ -205,44 +205,59 @@ def scale_run(seq: int = 64, max_feature_nodes: int = 2048, d_transcoder: int = 
             "phase_cpu_s": {name: round(value, 2) for name, value in phases.items()}, **result}
 
 
-def file_sizes(targets: list[int], seq: int = 64) -> list[dict]:
-    """Graph files of pruned graphs of about `targets` nodes (the embedded Arcee, a `seq`-token prompt,
-    1,024-wide random JumpReLU transcoders): the JSON's bytes (what a viewer loads), the side file's, the
-    seconds to parse the JSON, and the unpruned adjacency written as JSON text (what the file carried before)."""
-    import json
+def file_sizes(seed: int = 0) -> list[dict]:
+    """Graph files of pruned graphs of about 25, 500 and 5,000 nodes: the JSON's bytes (what a viewer loads),
+    the side file's, the seconds to parse the JSON, and the unpruned adjacency written as JSON text (what the
+    file carried before). Embeddings and logits are always kept, so each size needs a prompt and a model
+    with room for it: 25 nodes from an 8-token prompt and 500 from a 64-token one on the embedded Arcee
+    (1,024-wide random JumpReLU transcoders), 5,000 from a 64-token prompt on the random 8 x 1024 Arcee
+    (4,096-wide), every active feature a node, head loadings and QK for the pruned graph on."""
     import tempfile
 
-    from benchmarks.circuit_tracer_compare import PROMPT, continued, jumprelu_transcoders
+    from benchmarks.circuit_tracer_compare import PROMPT, continued, jumprelu_transcoders, random_arcee
 
-    model = load_model("embedded", "arcee")
-    transcoders = jumprelu_transcoders(model, 1024, 0)
-    tokens = continued(model.to_tokens(PROMPT), seq, model.cfg.vocab_size, 0)
+    embedded = load_model("embedded", "arcee")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        setups = [(25, embedded, lambda: jumprelu_transcoders(embedded, 1024, seed), 8),
+                  (500, embedded, lambda: jumprelu_transcoders(embedded, 1024, seed), 64)]
+        big = random_arcee(Path(tmp) / "arcee", embedded.tokenizer, seed)
+        setups.append((5000, big, lambda: jumprelu_transcoders(big, 4096, seed, threshold=2.8), 64))
+        for target, model, make, seq in setups:
+            transcoders = make()
+            tokens = continued(model.to_tokens(PROMPT), seq, model.cfg.vocab_size, seed)[:, :seq]
+            rows.append({"model": "embedded Arcee" if model is embedded else "random Arcee 8 x 1024",
+                         "d_transcoder": transcoders.d_transcoder, "seq": seq,
+                         **file_size(model, tokens, transcoders, target, Path(tmp))})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def file_size(model, tokens, transcoders, target: int, tmp: Path) -> dict:
+    """One graph's file at the node threshold that keeps about `target` nodes."""
+    import json
+
     whole = attribute(model, tokens, transcoders, head_loadings=False)
     # The unpruned adjacency as JSON text (what the file used to carry), from a sample's bytes per entry.
     flat = whole.adjacency_matrix.flatten()
     sample = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:100_000]]
     dense_json = int(len(json.dumps(sample.tolist())) / sample.numel() * flat.numel())
-    rows = []
-    for target in targets:
-        low, high = 0.0, 1.0  # the node threshold that keeps about `target` nodes
-        for _ in range(30):
-            mid = (low + high) / 2
-            low, high = (mid, high) if int(whole.prune(mid, 0.98).node_mask.sum()) < target else (low, mid)
-        graph = attribute(model, tokens, transcoders, node_threshold=high, qk=16)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = graph.prune(high, 0.98).to_json(Path(tmp) / "graph.json")
-            side = path.with_name("graph.tensors.safetensors")
-            start = time.perf_counter()
-            data = json.loads(path.read_text())
-            parse = time.perf_counter() - start
-            rows.append({"target_nodes": target, "nodes": int(graph.prune(high, 0.98).node_mask.sum()),
-                         "json_nodes": len(data["nodes"]), "json_links": len(data["links"]),
-                         "loading_edges": len(graph.loading_edges), "qk_tables": len(graph.qk_tables),
-                         "json_bytes": path.stat().st_size, "side_bytes": side.stat().st_size,
-                         "json_parse_s": round(parse, 4), "graph_nodes": graph.n_nodes,
-                         "unpruned_adjacency_as_json_bytes": dense_json})
-        print(rows[-1], flush=True)
-    return rows
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if int(whole.prune(mid, 0.98).node_mask.sum()) < target else (low, mid)
+    del whole
+    graph = attribute(model, tokens, transcoders, node_threshold=high, qk=16)
+    path = graph.prune(high, 0.98).to_json(tmp / "graph.json")
+    side = path.with_name("graph.tensors.safetensors")
+    start = time.perf_counter()
+    data = json.loads(path.read_text())
+    parse = time.perf_counter() - start
+    return {"target_nodes": target, "nodes": int(graph.prune(high, 0.98).node_mask.sum()),
+            "json_nodes": len(data["nodes"]), "json_links": len(data["links"]),
+            "loading_edges": len(graph.loading_edges), "qk_tables": len(graph.qk_tables),
+            "json_bytes": path.stat().st_size, "side_bytes": side.stat().st_size, "json_parse_s": round(parse, 4),
+            "graph_nodes": graph.n_nodes, "unpruned_adjacency_as_json_bytes": dense_json}
 
 
 def main() -> None:
@@ -273,8 +288,7 @@ def main() -> None:
         Results("attribution_scale").save(scale_run())
         return
     if args.files:
-        Results("attribution_files").save({"model": "embedded Arcee, 64 tokens, 1,024-wide JumpReLU",
-                                           "files": file_sizes([25, 500, 5000])})
+        Results("attribution_files").save({"files": file_sizes()})
         return
     if args.afm:
         results = Results("attribution_afm")
