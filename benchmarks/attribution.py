@@ -4,6 +4,7 @@
     python benchmarks/attribution.py --afm                       # AFM-4.5B's shape (~9.3 GB in /tmp, ~14 GB RAM)
     python benchmarks/attribution.py --files                     # graph files' sizes at 25, 500, 5,000 nodes
     python benchmarks/attribution.py --scale                     # 8 x 1024 Arcee, 64 tokens, 2,048 features, QK
+    python benchmarks/attribution.py --alpha-er                  # released-size alpha-er, 512 tokens, 2,048 features
 
 Each run is one `attribute(model, prompt, transcoders, ...)`: CPU seconds of this process, wall seconds,
 and the peak resident memory during the call (the kernel's high-water mark, reset before each call
@@ -14,8 +15,12 @@ per layer and position, so the feature count is layers x positions x k), head lo
 the synthetic AFM-4.5B checkpoint of benchmarks/load_4_5b.py in bfloat16 with per-layer transcoders of
 8,192 random features (bfloat16) written to safetensors files and read lazily (`--afm-resident`: loaded
 whole), a 32-token prompt, 512 features, head loadings and QK for the pruned graph; target peak RSS <= 1.5x
-checkpoint + transcoders.
-Results go to benchmarks/results/attribution.json (--afm: attribution_afm.json), which
+checkpoint + transcoders. `--scale` and `--alpha-er`: head loadings and QK
+for the pruned graph, with the CPU seconds of each phase; `--alpha-er` is a random alpha-er of the released
+size (2 layers x 1024, 64 experts) on one prompt of its whole context (block_size, 512 tokens: its sequence
+length is part of the architecture) with random TopK transcoders of 4,096 features, k = 16 (16,384 active).
+Results go to benchmarks/results/attribution.json (--afm: attribution_afm.json; --scale, --alpha-er,
+--files: attribution_scale.json, attribution_alpha_er.json, attribution_files.json), which
 benchmarks/figures.py renders into the READMEs.
 """
 
@@ -149,36 +154,33 @@ def afm_run(directory: Path, keep: bool, max_feature_nodes: int, batch_size: int
         for p in transcoders.parameters():
             p.requires_grad_(False)
         resident = sum(p.numel() * p.element_size() for p in transcoders.parameters())
-        phases = phase_clock()
-        result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes,
-                         batch_size=batch_size, head_loadings=head_loadings, progress=phases)
+        result = phased(model, random_tokens(model, seq), transcoders, head_loadings, max_feature_nodes=max_feature_nodes,
+                        batch_size=batch_size)
         budget = checkpoint_bytes + transcoder_bytes
         return {"model": "AFM-4.5B shape (synthetic, bfloat16)", "d_transcoder": 8192, "k": 32,
                 "lazy_transcoders": lazy, "checkpoint_bytes": checkpoint_bytes, "transcoder_bytes": transcoder_bytes,
                 "transcoder_bytes_resident_before": resident,
                 "peak_over_checkpoint_plus_transcoders": round(result["peak_rss_bytes"] / budget, 3),
-                "target": "<= 1.5", "phase_cpu_s": phases.totals(), **result}
+                "target": "<= 1.5", **result}
     finally:
         if not keep:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-class phase_clock:
-    """A `progress=` callable that adds up the CPU seconds spent in each phase the run reports."""
+def phased(model, tokens, transcoders, head_loadings: str | bool = "pruned", **kwargs) -> dict:
+    """`measure` with the CPU seconds of each phase of `progress=` ("logits", "features", "gradients",
+    "decomposition"), head loadings and QK for the pruned graph on."""
+    phases: dict[str, float] = {}
+    clock = {"phase": None, "at": time.process_time()}
 
-    def __init__(self):
-        self.phases: dict[str, float] = {}
-        self.phase, self.at = None, time.process_time()
-
-    def __call__(self, step) -> None:
+    def progress(step) -> None:
         now = time.process_time()
-        if self.phase is not None:
-            self.phases[self.phase] = self.phases.get(self.phase, 0.0) + now - self.at
-        self.phase, self.at = step.phase, now
+        if clock["phase"] is not None:
+            phases[clock["phase"]] = phases.get(clock["phase"], 0.0) + now - clock["at"]
+        clock.update(phase=step.phase, at=now)
 
-    def totals(self) -> dict[str, float]:
-        self(type("End", (), {"phase": None})())
-        return {name: round(value, 2) for name, value in self.phases.items()}
+    result = measure(model, tokens, transcoders, head_loadings=head_loadings, qk=16, progress=progress, **kwargs)
+    return {"phase_cpu_s": {name: round(value, 2) for name, value in phases.items()}, **result}
 
 
 def scale_run(seq: int = 64, max_feature_nodes: int = 2048, d_transcoder: int = 4096, k: int = 16) -> dict:
@@ -190,19 +192,25 @@ def scale_run(seq: int = 64, max_feature_nodes: int = 2048, d_transcoder: int = 
     torch.manual_seed(0)
     model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
     transcoders = random_transcoders(model, d_transcoder, k)
-    phases: dict[str, float] = {}
-    clock = {"phase": None, "at": time.process_time()}
+    result = phased(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes)
+    return {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result}
 
-    def progress(step) -> None:
-        now = time.process_time()
-        if clock["phase"] is not None:
-            phases[clock["phase"]] = phases.get(clock["phase"], 0.0) + now - clock["at"]
-        clock.update(phase=step.phase, at=now)
 
-    result = measure(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes,
-                     head_loadings="pruned", qk=16, progress=progress)
-    return {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k,
-            "phase_cpu_s": {name: round(value, 2) for name, value in phases.items()}, **result}
+def alpha_er_run(max_feature_nodes: int = 2048, d_transcoder: int = 4096, k: int = 16) -> dict:
+    """A random alpha-er of the released size (2 layers x 1024, 8 heads, 64 experts of 320, ranks 128,
+    vocabulary 12,288; benchmarks/alpha_er_reference.py's) on one prompt of block_size (512) tokens, its
+    whole context, with random TopK per-layer transcoders (`d_transcoder` wide, `k` active per position:
+    2 x 512 x k features): `max_feature_nodes` features, head loadings and QK for the pruned graph, time
+    per phase, peak memory, the kept graph's size."""
+    from hooked_models import HookedAlphaEr
+    from hooked_models.families.alpha_er import ALPHA_ER
+
+    torch.manual_seed(0)
+    model = randomize_(HookedAlphaEr(ALPHA_ER)).eval()
+    transcoders = random_transcoders(model, d_transcoder, k)
+    result = phased(model, random_tokens(model, ALPHA_ER.block_size), transcoders, max_feature_nodes=max_feature_nodes)
+    return {"model": "random alpha-er 2 x 1024, 64 experts (released size)", "d_transcoder": d_transcoder, "k": k,
+            **result}
 
 
 def file_sizes(seed: int = 0) -> list[dict]:
@@ -267,6 +275,8 @@ def main() -> None:
     parser.add_argument("--files", action="store_true", help="only the graph files' sizes (25, 500, 5,000 nodes)")
     parser.add_argument("--scale", action="store_true",
                         help="only the 8 x 1024 Arcee at 64 tokens, 2,048 features, head loadings and QK on")
+    parser.add_argument("--alpha-er", action="store_true",
+                        help="only the released-size alpha-er at its block_size (512 tokens), 2,048 features, QK on")
     parser.add_argument("--afm-dir", type=Path, default=Path("/tmp/afm_4_5b_attribution"))
     parser.add_argument("--keep", action="store_true", help="keep the AFM checkpoint")
     parser.add_argument("--afm-features", type=int, default=512, help="max_feature_nodes of the AFM run")
@@ -286,6 +296,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.scale:
         Results("attribution_scale").save(scale_run())
+        return
+    if args.alpha_er:
+        Results("attribution_alpha_er").save(alpha_er_run())
         return
     if args.files:
         Results("attribution_files").save({"files": file_sizes()})
