@@ -219,7 +219,9 @@ def file_sizes(seed: int = 0) -> list[dict]:
     file carried before). Embeddings and logits are always kept, so each size needs a prompt and a model
     with room for it: 25 nodes from an 8-token prompt and 500 from a 64-token one on the embedded Arcee
     (1,024-wide random JumpReLU transcoders), 5,000 from a 64-token prompt on the random 8 x 1024 Arcee
-    (4,096-wide), every active feature a node, head loadings and QK for the pruned graph on."""
+    (4,096-wide, thresholds from 2.7: about 6,300 active features, of which at edge_threshold 0.98 pruning
+    can keep some 5,600; from circuit_tracer_compare.py's 2.8, 4,682 active, it keeps 4,301 at most), every
+    active feature a node, head loadings and QK for the pruned graph on."""
     import tempfile
 
     from benchmarks.circuit_tracer_compare import PROMPT, continued, jumprelu_transcoders, random_arcee
@@ -230,7 +232,7 @@ def file_sizes(seed: int = 0) -> list[dict]:
         setups = [(25, embedded, lambda: jumprelu_transcoders(embedded, 1024, seed), 8),
                   (500, embedded, lambda: jumprelu_transcoders(embedded, 1024, seed), 64)]
         big = random_arcee(Path(tmp) / "arcee", embedded.tokenizer, seed)
-        setups.append((5000, big, lambda: jumprelu_transcoders(big, 4096, seed, threshold=2.8), 64))
+        setups.append((5000, big, lambda: jumprelu_transcoders(big, 4096, seed, threshold=2.7), 64))
         for target, model, make, seq in setups:
             transcoders = make()
             tokens = continued(model.to_tokens(PROMPT), seq, model.cfg.vocab_size, seed)[:, :seq]
