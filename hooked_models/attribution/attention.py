@@ -90,8 +90,12 @@ def _entries(prompt: Prompt, gradients: list[Tensor], groups: int, qk) -> tuple[
     for layer in range(n_layers):
         pattern = prompt.constants[f"layers.{layer}.self_attn.attention_probabilities"][0].float()
         values = prompt.values[layer].float().repeat_interleave(groups, 0)  # [head seq head_dim]
-        per_target = torch.einsum("tqhd,hkd->thqk", gradients[layer].float(), values)
-        flow.append((per_target * pattern).abs().sum(0))
+        g = gradients[layer]  # [head target (seq head_dim)]
+        total = torch.zeros_like(pattern)
+        for start in range(0, g.shape[1], 64):  # a block of targets at a time: no [target head seq seq] whole
+            block = g[:, start:start + 64].float().unflatten(-1, (values.shape[1], values.shape[2]))
+            total += (torch.einsum("htqd,hkd->thqk", block, values) * pattern).abs().sum(0)
+        flow.append(total)
     flow = torch.stack(flow)  # [layer head query key]
     if isinstance(qk, int):
         order = flow.flatten().argsort(descending=True)[:qk]

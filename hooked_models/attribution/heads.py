@@ -19,32 +19,34 @@ from hooked_models.attribution.replacement import Replica
 
 
 def target_gradients(replica: Replica, grads_of, n_targets: int, batch_size: int, on_batch=None) -> list[Tensor]:
-    """Each target's gradient at each layer's head outputs: [target seq head head_dim] per layer.
-    `grads_of(start, stop)` gives the input directions (`targets.directions`) of targets [start, stop)."""
-    per_layer: list[list[Tensor]] = []
+    """Each target's gradient at each layer's head outputs, per layer as [head target (seq head_dim)] (one
+    matrix per head, the layout the loadings multiply in), each batch written in place: the gradients are
+    held once, never beside a concatenated or permuted copy. `grads_of(start, stop)` gives the input
+    directions (`targets.directions`) of targets [start, stop)."""
+    per_layer: list[Tensor] = []
     for start in range(0, n_targets, batch_size):
         stop = min(start + batch_size, n_targets)
         grads = replica.head_gradients(*grads_of(start, stop))
         if not per_layer:
-            per_layer = [[] for _ in grads]
-        for layer, g in enumerate(grads):
-            per_layer[layer].append(g[:stop - start].cpu())
+            per_layer = [g.new_zeros(g.shape[2], n_targets, g.shape[1] * g.shape[3], device="cpu") for g in grads]
+        for layer, g in enumerate(grads):  # g [batch seq head head_dim]
+            per_layer[layer][:, start:stop] = g[:stop - start].permute(2, 0, 1, 3).flatten(2).cpu()
+        del grads
         if on_batch is not None:
             on_batch(stop - start)
-    return [torch.cat(parts) for parts in per_layer]
+    return per_layer
 
 
 class HeadLoadings:
     """Accumulates the kept edges' loadings as the decomposition's chunks of sources arrive.
 
     `edges [edge 2]`: (target, source) as rows of the gradients and indices of the decomposition's
-    components; `gradients`: `target_gradients`' per-layer tensors."""
+    components; `gradients`: `target_gradients`' per-layer [head target (seq head_dim)] tensors."""
 
     def __init__(self, edges: Int[Tensor, "edge 2"], gradients: Sequence[Tensor], n_heads: int,
                  dtype=torch.float32):
         self.edges, self.n_layers = edges, len(gradients)
-        # Each layer's gradients as [head target (seq head_dim)]: one matrix product per head and chunk.
-        self.gradients = [g.permute(2, 0, 1, 3).reshape(n_heads, g.shape[0], -1).contiguous() for g in gradients]
+        self.gradients = gradients  # one matrix product per head and chunk
         self.values = torch.zeros(len(edges), self.n_layers, n_heads, dtype=dtype)
 
     def name(self, layer: int) -> str:
