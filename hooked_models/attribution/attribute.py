@@ -101,7 +101,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     n_layers, seq = transcoders.n_layers, tokens.shape[1]
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
-    replicas = Replicas(state, step=-(-seq // 8))  # at most 8 prefixes
+    replicas = Replicas(state, step=max(8, -(-seq // 8)))  # at most 8 prefixes, none shorter than 8
     replica = replicas.full
     encoders = [transcoders.encoder(layer).detach().to(dtype) for layer in range(n_layers)]
     active = state.active.tolist()
