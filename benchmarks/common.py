@@ -116,15 +116,16 @@ def hf_arcee_config(args, attn_implementation: str = "sdpa"):
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random weights, norm weights spread around 1 (as tests/conftest.py's `randomize_`)."""
+    """Random weights, norm weights spread around 1 (as tests/conftest.py's `randomize_`), biases (a
+    LayerNorm's too: alpha-er's) around 0."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith("bias"):
+            if name.endswith("bias"):
                 p.copy_(0.2 * noise)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
             else:
                 p.copy_(noise / max(p.shape[-1], 1) ** 0.5)
     return model

@@ -489,14 +489,16 @@ def attribution_files_table() -> str:
     """docs/guide/attribution-at-scale.md's graph files: one row per pruned graph size."""
     r = load("attribution_files")
     f = r["figures"]
-    lines = ["| nodes kept | links | head-loaded edges | QK tables | JSON (the viewer's) | its parse | side file "
-             "(safetensors) | the unpruned adjacency as JSON text |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| nodes kept (of the graph's) | model, prompt, transcoders | links | head-loaded edges | QK tables | "
+             "JSON (the viewer's) | its parse | side file (safetensors) | the unpruned adjacency as JSON text |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in f["files"]:
-        lines.append(f"| {row['nodes']:,} | {row['json_links']:,} | {row['loading_edges']:,} | {row['qk_tables']} | "
-                     f"{row['json_bytes'] / 1e6:.2f} MB | {ms(row['json_parse_s'])} | {row['side_bytes'] / 1e6:.1f} MB | "
-                     f"{row['unpruned_adjacency_as_json_bytes'] / 1e6:.0f} MB |")
-    return "\n".join(lines + ["", f"{f['model']}, graphs of {f['files'][0]['graph_nodes']:,} nodes pruned to each size; "
-                                   f"measured {when(r)}."])
+        lines.append(f"| {row['nodes']:,} (of {row['graph_nodes']:,}) | {row['model']}, {row['seq']} tokens, "
+                     f"{row['d_transcoder']:,} wide | {row['json_links']:,} | {row['loading_edges']:,} | "
+                     f"{row['qk_tables']} | {row['json_bytes'] / 1e6:.2f} MB | {ms(row['json_parse_s'])} | "
+                     f"{row['side_bytes'] / 1e6:.1f} MB | {row['unpruned_adjacency_as_json_bytes'] / 1e6:.0f} MB |")
+    return "\n".join(lines + ["", "Random JumpReLU transcoders with skip connections; every active feature a node, "
+                                   f"pruned to about each size; measured {when(r)}."])
 
 
 def attribution_scale_table() -> str:

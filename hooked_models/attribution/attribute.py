@@ -103,7 +103,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     dtype = state.errors.dtype
     replicas = Replicas(state, step=max(8, -(-seq // 8)))  # at most 8 prefixes, none shorter than 8
     replica = replicas.full
-    encoders = [transcoders.encoder(layer).detach().to(dtype) for layer in range(n_layers)]
+    encoders = _active_encoders(transcoders, state.active, dtype)
     active = state.active.tolist()
 
     def target(key) -> Target:
@@ -111,7 +111,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
             output = outputs[key[1]]
             return Target(None, output.pos, output.direction.to(dtype))
         layer, pos, feature = active[key[1]]
-        return Target(layer, pos, encoders[layer][:, feature])
+        return Target(layer, pos, encoders[layer, feature])
 
     computed = _Rows()  # each target's row over every source, batch by batch
     output_keys = [("output", k) for k in range(len(outputs))]
@@ -157,6 +157,17 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
             edges, kept = pruned.edge_mask.nonzero(), pruned.node_mask
         return split_attention(state, replica, graph, edges, kept, lambda node: target(keys[node]), selected, qk,
                                batch_size, track)
+
+
+def _active_encoders(transcoders, active: Tensor, dtype: torch.dtype) -> dict[tuple[int, int], Tensor]:
+    """(layer, feature) -> the encoder direction of each active feature, read a layer at a time (a lazily
+    loaded set reads only these columns)."""
+    directions = {}
+    for layer in active[:, 0].unique().tolist():
+        ids = active[active[:, 0] == layer, 2].unique()
+        columns = transcoders.encoder_columns(layer, ids).detach().to(dtype)
+        directions.update(((layer, f), columns[:, j]) for j, f in enumerate(ids.tolist()))
+    return directions
 
 
 def salient_targets(model, state: Prompt, desired_logit_prob: float, max_n_logits: int) -> list[OutputTarget]:

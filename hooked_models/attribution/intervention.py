@@ -83,7 +83,7 @@ def feature_intervention_generate(model, prompt, transcoders, interventions: Seq
             raise ValueError(f"intervention {item}: layer must be in [0, {n_layers}), position (or a slice's start) "
                              f"in [0, {limit}), feature in [0, {transcoders.d_transcoder})")
         by_layer.setdefault(layer, []).append((pos, feature, value))
-    dtype = transcoders.encoder(0).dtype
+    dtype = transcoders.dtype
     clean: dict[int, Tensor] = {}
     clamped: dict[int, Tensor] = {}
     live: dict[int, Tensor] = {}

@@ -79,12 +79,13 @@ class Prompt:
             # The frozen values ([1 ...] each: patterns, norm scales), for runs that write them back.
             self.constants = {name: value for name, value in cache.items() if is_frozen(name)}
             self.values = [cache[name][0] for name in values]  # [kv_head seq head_dim] per layer
-            dtype = transcoders.encoder(0).dtype
+            dtype = transcoders.dtype
             self.x = [cache[name][0].to(dtype) for name in self.inputs]
             self.mlp_out = [cache[name][0] for name in self.outputs]
-            self.acts = [transcoders.encode(l, x) for l, x in enumerate(self.x)]
-            skip_in = [x if transcoders.has_skip else None for x in self.x]
-            self.recons = [transcoders.decode_to(l, self.acts, skip_in[l]) for l in range(n)]
+            self.acts, self.recons = [], []
+            for l, x in enumerate(self.x):  # layer by layer, so that a lazily loaded set reads each layer once
+                self.acts.append(transcoders.encode(l, x))
+                self.recons.append(transcoders.decode_to(l, self.acts, x if transcoders.has_skip else None))
             self.errors = torch.stack([o.to(dtype) - r for o, r in zip(self.mlp_out, self.recons)])
             self.embedding = cache["layers.0.layer_input"][0].to(dtype)
         active = torch.stack(self.acts).nonzero()  # (layer, position, feature), in that order
@@ -108,7 +109,7 @@ class Prompt:
                 positions, counts = pos.unique_consecutive(return_counts=True)
                 groups = {}
                 for t in written_layers(tcs, layer) if rows.numel() else ():
-                    groups[t] = tcs.decoder(layer, t)[ids].to(dtype).split(counts.tolist())
+                    groups[t] = tcs.decoder_rows(layer, t, ids).to(dtype).split(counts.tolist())
                 ends = (start + counts.cumsum(0)).tolist()
                 self._writes.append((start, positions.tolist(), ends, groups))
         return self._writes
@@ -169,7 +170,7 @@ class Replica:
             self.out_leaves[layer] = leaf
             if not tcs.has_skip:
                 return leaf
-            skip = _skip_gradient(tcs, layer, self.reads[layer].to(tcs.encoder(0).dtype))
+            skip = _skip_gradient(tcs, layer, self.reads[layer].to(tcs.dtype))
             return leaf + skip.to(t.dtype)
 
         def heads(t, hook, layer):

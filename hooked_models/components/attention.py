@@ -79,6 +79,12 @@ class SelfAttention(HookedModule):
     # layout, so a family that mirrors transformers copies them too (kv heads only: a small copy).
     contiguous_kv = False
 
+    # A pattern fixed in advance ([1 num_heads seq seq], broadcast over the batch), or None. Set while the
+    # attribution's decomposition runs (hooked_models/attribution/decomposition.py), whose patterns are the
+    # prompt's frozen ones: the scores (and `attention_scores`) are then not computed, only to be replaced;
+    # the pattern still passes `attention_probabilities` and mixes the values as a written pattern does.
+    fixed_pattern: Tensor | None = None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, score_mod: nn.Module | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -155,7 +161,10 @@ class SelfAttention(HookedModule):
         if mask is None and seq_q != seq_k:
             # Queries are the last seq_q positions (a key/value cache holds the earlier ones).
             mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
-        if self.wants_explicit_scores():
+        if self.fixed_pattern is not None:
+            probs = self.attention_probabilities(self.fixed_pattern.expand(q.shape[0], -1, -1, -1).to(q.dtype))
+            mixed = torch.matmul(probs, repeat_kv(v, self.groups))
+        elif self.wants_explicit_scores():
             k_rep, v_rep = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
             scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.scale
             if self.score_mod is not None:

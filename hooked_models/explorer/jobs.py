@@ -11,7 +11,8 @@ Nothing here writes a weight, so both stay bit-identical to the model the server
 - Views run on the model itself, one at a time (`views`, a lock: a view is one forward or two).
 - Both share torch's intra-op thread pool. While a view runs, the job steps aside at its next batch
   boundary (its progress callable waits), so a view gets the machine's threads and answers within a
-  batch's time, however long the job.
+  batch's time, however long the job. The job waits only for the views already there when it stepped
+  aside, so views arriving without pause cannot starve it: it takes a batch per round of them.
 - Progress is `hooked_models.progress`'s: the job's `report` is the `progress=` callable the library's long
   functions take (a `Step` after every batch; a bare fraction from the ones that still report that).
   Cancelling sets a flag that `report` turns into `Cancelled` at the next batch: the function's hooks come
@@ -108,7 +109,8 @@ class Jobs:
         self.waiting: deque[Job] = deque()
         self.changed = threading.Condition()
         self.view_lock = threading.Lock()
-        self.views_running = 0
+        self.view_tickets: set[int] = set()  # the views entered and not yet finished
+        self.next_ticket = 0
         self.stopping = False
         self.worker = threading.Thread(target=self._work, name="explorer-jobs", daemon=True)
         self.worker.start()
@@ -177,19 +179,23 @@ class Jobs:
         """Where an interactive request runs: one at a time on the model, while the job waits at its next
         batch boundary."""
         with self.changed:
-            self.views_running += 1
+            ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+            self.view_tickets.add(ticket)
         try:
             with self.view_lock:
                 yield
         finally:
             with self.changed:
-                self.views_running -= 1
+                self.view_tickets.discard(ticket)
                 self.changed.notify_all()
 
     def step_aside(self, job: Job) -> None:
-        """Called by the running `job` between batches: wait while views run (or until it is cancelled)."""
+        """Called by the running `job` between batches: wait until the views entered before it have
+        answered (or it is cancelled). Views that arrive while it waits do not extend the wait, so a
+        stream of views that never pauses still lets the job take one batch per round of them."""
         with self.changed:
-            self.changed.wait_for(lambda: not self.views_running or self.stopping or job.cancel_requested)
+            ahead = set(self.view_tickets)
+            self.changed.wait_for(lambda: not (ahead & self.view_tickets) or self.stopping or job.cancel_requested)
 
     # ---------------------------------------------------------------------------- the worker
     def _work(self) -> None:

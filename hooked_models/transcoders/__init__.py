@@ -13,7 +13,8 @@ Names, layouts and files follow circuit-tracer (`SingleLayerTranscoder`, `Transc
 listed before it (the contract in pyproject.toml): `activation_functions` (relu, topk, jumprelu and its
 straight-through gradient) and `identity` (the hooks read and written, the model a set is for); `files`
 (circuit-tracer's config.yaml, SAELens's class names); `single_layer_transcoder` (`Transcoder`,
-`TranscoderSet`) and `cross_layer_transcoder`; `loading` (`load_transcoders`); `training`
+`TranscoderSet`) and `cross_layer_transcoder`; `lazy` (`LazyTranscoderSet`: a saved set read from its
+files as it is used); `loading` (`load_transcoders`); `training`
 (`train_transcoders` from a harvest, resumable) and `fidelity` (`transcoder_fidelity`).
 """
 
@@ -28,6 +29,7 @@ from hooked_models.transcoders.identity import (
     input_hook_name,
     output_hook_name,
 )
+from hooked_models.transcoders.lazy import LazyTranscoderSet
 from hooked_models.transcoders.loading import load_transcoders
 from hooked_models.transcoders.single_layer_transcoder import Transcoder, TranscoderSet
 from hooked_models.transcoders.training import (
@@ -40,6 +42,6 @@ from hooked_models.transcoders.training import (
 )
 
 __all__ = ["ACTIVATIONS", "FEATURE_INPUT_HOOK", "FEATURE_OUTPUT_HOOK", "JUMPRELU_BANDWIDTH", "SAE_LENS_CLASSES",
-           "CrossLayerTranscoder", "HarvestReader", "ModelIdentity", "TrainingConfig", "Transcoder", "TranscoderSet",
+           "CrossLayerTranscoder", "HarvestReader", "LazyTranscoderSet", "ModelIdentity", "TrainingConfig", "Transcoder", "TranscoderSet",
            "init_transcoder_", "input_hook_name", "jumprelu", "load_transcoders", "new_transcoders",
            "output_hook_name", "step", "topk_relu", "train_transcoders", "transcoder_fidelity"]

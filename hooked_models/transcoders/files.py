@@ -47,6 +47,19 @@ class SetBase(nn.Module):
             raise ValueError(f"layer={layer!r} is not a layer of these transcoders (0 ... {self.n_layers - 1})")
         return layer
 
+    @property
+    def dtype(self):
+        """The dtype the features are computed in (the encoders')."""
+        return self.encoder(0).dtype
+
+    def encoder_columns(self, layer: int, ids):
+        """[d_in n]: the encoder directions of layer `layer`'s features `ids`."""
+        return self.encoder(layer)[:, ids]
+
+    def decoder_rows(self, source: int, target: int, ids):
+        """[n d_out]: the decoder rows, from layer `source` to layer `target`'s MLP output, of features `ids`."""
+        return self.decoder(source, target)[ids]
+
     def check_model(self, model) -> None:
         """Refuse a model these transcoders were not trained for (family, hidden size, layer count)."""
         if self.identity is not None:

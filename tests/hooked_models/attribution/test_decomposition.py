@@ -74,3 +74,53 @@ def test_one_features_contribution_is_what_removing_it_moves(family_setup, repla
         if name.startswith("layers.") and int(name.split(".")[1]) <= layer:
             assert torch.equal(got, torch.zeros_like(got)), name
     assert float(chunk.values[f"layers.{layer + 1}.self_attn.attention_head_outputs"].abs().max()) > 1e-3
+
+
+def test_nothing_is_computed_only_to_be_replaced_and_the_model_comes_back(family_setup):
+    """The decomposition replaces every MLP's output (the transcoder's bias and skip plus the nodes'
+    writes) and every pattern (the prompt's), so no MLP weight is multiplied and no score is computed
+    during it (hooks on each MLP's first projection and on the scores never fire); afterwards the
+    model's own forward is back, every MLP computed and the logits as before."""
+    model, tcs, tokens = family_setup
+    prompt = Prompt(model, tokens[None], tcs)
+    with torch.no_grad():
+        before = model(tokens[None])
+    calls = []
+    watched = [next(m for m in layer.mlp.modules() if m is not layer.mlp and any(True for _ in m.parameters(recurse=False)))
+               for layer in model.layers] + [layer.self_attn.attention_scores for layer in model.layers]
+    handles = [m.register_forward_hook(lambda *args, i=i: calls.append(i)) for i, m in enumerate(watched)]
+    try:
+        list(decompose(prompt, every_node(prompt)[:3], reads(model), with_total=True))
+        assert calls == []
+        with torch.no_grad():
+            logits = model(tokens[None])
+        assert set(range(model.cfg.num_layers)) <= set(calls)  # the MLPs (the scores: where not fused)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(logits, before)
+    assert all(layer.self_attn.fixed_pattern is None and "forward" not in vars(layer.mlp) for layer in model.layers)
+
+
+def test_the_shortcuts_change_no_bit(family_setup, monkeypatch):
+    """Every value the decomposition reads is the same, bit for bit, with the MLPs and scores computed
+    (the shortcuts turned off) as without."""
+    import contextlib
+
+    from hooked_models.attribution import decomposition
+
+    model, tcs, tokens = family_setup
+    prompt = Prompt(model, tokens[None], tcs)
+    components = every_node(prompt)[::5]
+
+    def run():
+        return [(c.values, c.bias, c.total) for c in decompose(prompt, components, reads(model), 8, with_total=True)]
+
+    fast = run()
+    monkeypatch.setattr(decomposition, "_nothing_discarded", lambda prompt: contextlib.nullcontext())
+    slow = run()
+    for (values, bias, total), (values0, bias0, total0) in zip(fast, slow, strict=True):
+        for got, want in ((values, values0), (bias, bias0), (total or {}, total0 or {})):
+            assert got.keys() == want.keys()
+            for name in got:
+                assert torch.equal(got[name], want[name]), name

@@ -140,6 +140,39 @@ def test_views_answer_while_a_job_runs_and_a_cancelled_job_leaves_the_model_as_i
     wait_for(lambda: call(url, f"/api/jobs/{third}")["state"] == "done", "the next job")
 
 
+def test_views_that_never_pause_do_not_starve_the_job(served):
+    """Eight clients sending views back to back (some always waiting while another runs): the job still
+    moves, a batch per round of views, and every view answers."""
+    url, explorer = served
+    hooked, started = [], threading.Event()
+    job = explorer.submit("long", long_job(10**6, hooked, started))["job"]
+    assert started.wait(30)
+    stop, answered, failures = threading.Event(), [], []
+
+    def client():
+        while not stop.is_set():
+            try:
+                answered.append(call(url, "/api/attention", {"prompt": PROMPT}, timeout=20))
+            except Exception as error:  # noqa: BLE001 - reported below
+                failures.append(repr(error))
+                return
+
+    clients = [threading.Thread(target=client) for _ in range(8)]
+    for thread in clients:
+        thread.start()
+    wait_for(lambda: len(answered) >= 6, "the first views")  # the storm is on
+    during = len(hooked)
+    wait_for(lambda: len(answered) >= 30, "thirty views")
+    moved = len(hooked) - during
+    stop.set()
+    for thread in clients:
+        thread.join(30)
+    call(url, f"/api/jobs/{job}", method="DELETE")
+    assert failures == []
+    # each client has one view in flight, so 24 answers span at least three rounds of at most 8 views
+    assert moved >= 2, f"the job took {moved} batches while 24 views answered"
+
+
 # The longest pair the embedded model takes (61 of its 64 positions), at the most steps a request may ask for.
 LONG = " ".join([PROMPT] * 4)
 PAIR = {"clean": LONG, "corrupted": LONG[: -len("John gave a drink to")] + "Mary gave a drink to", "answer": " Mary",
@@ -174,7 +207,7 @@ def test_the_command_line_stops_on_a_signal_with_a_job_running(stop, one_job_sec
     try:
         assert "explorer on http://127.0.0.1" in server.stdout.readline()
         url = f"http://127.0.0.1:{port}"
-        jobs = [call(url, "/api/circuit", PAIR)["job"] for _ in range(3)]
+        jobs = [call(url, "/api/circuit", PAIR)["job"] for _ in range(8)]
         wait_for(lambda: call(url, f"/api/jobs/{jobs[0]}")["state"] == "running", "the first job's start")
         # a view in flight when the signal comes, as the page's requests are: it must not hold the stop up
         view = threading.Thread(target=call_fails, args=(url, "/api/prompt", {"prompt": PROMPT}), daemon=True)
