@@ -37,11 +37,13 @@ Conventions reconciled (each checked by the comparison, not assumed):
 - Embedding node: circuit-tracer's `embed_tokens.weight[token]`, ours the stream entering layer 0:
   equal for Arcee (no embedding scale).
 - Node order: features by (layer, position, index), errors layer-major, embeddings, logits: both.
-- Timing: CPU seconds of each process per `attribute` call (median of rounds after a warm-up), the same
-  thread count and batch size on both sides; circuit-tracer's includes nnsight's tracing.
+- Timing: CPU seconds of each process per `attribute` call (median of rounds after a warm-up, each call
+  after an untimed `gc.collect()`: no call pays for garbage left before it), the same thread count and
+  batch size on both sides; circuit-tracer's includes nnsight's tracing.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -59,9 +61,14 @@ PROMPT = "When Mary and John went to the store together, John gave a drink to"
 
 
 def timed(fn, rounds: int) -> tuple[object, float, float]:
-    """fn's last result, and the median CPU and wall seconds of `rounds` calls after one warm-up."""
+    """fn's last result, and the median CPU and wall seconds of `rounds` calls after one warm-up, each
+    call after a full garbage collection (untimed), so that no call pays for the garbage of what ran
+    before it (a full collection over a process holding models and their imports takes 0.2 s, longer than
+    the small cases' calls)."""
     cpu_times, wall_times, result = [], [], None
     for round_ in range(rounds + 1):
+        result = None  # the previous call's graph collected too
+        gc.collect()
         cpu, wall = time.process_time(), time.perf_counter()
         result = fn()
         if round_:

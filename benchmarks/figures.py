@@ -449,7 +449,7 @@ def circuit_tracer_table() -> str:
     return "\n".join(lines + ["", f"Measured {when(r)}; circuit-tracer {versions['circuit-tracer']}, nnsight "
                                    f"{versions['nnsight']}, transformers {versions['transformers']}; the prompt's {f['tokens']} "
                                    f"tokens continued by random ones, {len(first['logit_tokens'])} logits, batch {f['batch_size']}, median of "
-                                   f"{f['rounds']} calls after a warm-up."])
+                                   f"{f['rounds']} calls after a warm-up, each after an untimed gc.collect()."])
 
 
 def circuit_tracer_sentence() -> str:

@@ -9,6 +9,8 @@ the rows of `batch_size` targets at once (batched gradients over one frozen forw
 costs one forward and (targets / batch_size) backward passes, never one pass per edge.
 """
 
+import functools
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from hooked_models.attribution.attention import split_attention
 from hooked_models.attribution.graph import AttributionGraph, normalized_abs
-from hooked_models.attribution.replacement import Prompt, Replica, check_prompt, prompt_tokens, transcoder_names
+from hooked_models.attribution.replacement import Prompt, Replicas, check_prompt, prompt_tokens, transcoder_names
 from hooked_models.attribution.targets import OutputTarget, Target, resolve, target_rows
 from hooked_models.progress import ProgressArg, tracker
 
@@ -38,6 +40,24 @@ def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desi
         raise ValueError(f"head_loadings={head_loadings!r} must be 'pruned', 'all' or False")
 
 
+def _collector_paused(fn):
+    """`fn` with Python's cyclic garbage collector paused while it runs (restored after): the objects it
+    allocates (rows, hooks, autograd's) are freed by reference counting, and a full collection over a
+    process holding a model and its imports took 0.2 s, longer than a small graph."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: int | None = None,
               desired_logit_prob: float = 0.95, max_n_logits: int = 10, batch_size: int = 32,
               head_loadings: bool | str = "pruned", qk: int | Sequence[tuple[int, int, int, int]] = 16,
@@ -81,7 +101,8 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     n_layers, seq = transcoders.n_layers, tokens.shape[1]
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
-    replica = Replica(state)
+    replicas = Replicas(state, step=max(8, -(-seq // 8)))  # at most 8 prefixes, none shorter than 8
+    replica = replicas.full
     encoders = _active_encoders(transcoders, state.active, dtype)
     active = state.active.tolist()
 
@@ -97,17 +118,23 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     budget = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
     with tracker(progress, total=len(output_keys), desc="attribution", unit="target", phase="logits") as track:
 
-        def compute(keys: list) -> None:
-            for start in range(0, len(keys), batch_size):
-                chunk = keys[start:start + batch_size]
-                computed.add(chunk, target_rows(replica, [target(k) for k in chunk]).cpu())  # assembled on the CPU
-                track.advance(len(chunk))
+        def compute(keys: list, prefixes: bool = False) -> None:
+            chunks = [keys[start:start + batch_size] for start in range(0, len(keys), batch_size)]
+            targets = [[target(k) for k in chunk] for chunk in chunks]
+            # Each chunk over the shortest prefix holding its targets' positions (replacement.Replicas),
+            # the chunks by prefix length, so that each prefix is run forward once.
+            lengths = [replicas.length(max(t.pos for t in ts)) if prefixes else seq for ts in targets]
+            for i in sorted(range(len(chunks)), key=lengths.__getitem__):
+                rows = target_rows(replicas(lengths[i]), targets[i])
+                computed.add(chunks[i], rows.cpu())  # assembled on the CPU
+                track.advance(len(chunks[i]))
+            replicas.prefix = None
 
         compute(output_keys)
         track.reset(budget, "features")
         weights = torch.tensor([o.weight for o in outputs])
         if budget == n_active:
-            compute([("feature", i) for i in range(n_active)])
+            compute([("feature", i) for i in range(n_active)], prefixes=True)
             selected = torch.arange(n_active)
         else:
             selected = _select_features(computed, output_keys, weights, n_active, budget, batch_size, compute)
