@@ -501,9 +501,10 @@ def attribution_files_table() -> str:
                                    f"pruned to about each size; measured {when(r)}."])
 
 
-def attribution_scale_table() -> str:
-    """docs/guide/attribution-at-scale.md's scale run: the 8 x 1024 Arcee, head loadings and QK on."""
-    r = load("attribution_scale")
+def attribution_scale_table(name: str = "attribution_scale") -> str:
+    """docs/guide/attribution-at-scale.md's scale runs (the 8 x 1024 Arcee; `attribution_alpha_er`: the
+    released-size alpha-er at its block_size), head loadings and QK on."""
+    r = load(name)
     f = r["figures"]
     phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in f["phase_cpu_s"].items())
     rows = [("model; transcoders", f"{f['model']}; {f['d_transcoder']:,} TopK features per layer (k {f['k']})"),
@@ -630,6 +631,7 @@ PARTS = {
     "circuit-tracer-sentence": circuit_tracer_sentence,
     "attribution-files": attribution_files_table,
     "attribution-scale": attribution_scale_table,
+    "attribution-alpha-er": lambda: attribution_scale_table("attribution_alpha_er"),
     "explorer-load": explorer_load_table,
 
 

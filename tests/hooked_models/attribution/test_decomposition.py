@@ -86,8 +86,9 @@ def test_nothing_is_computed_only_to_be_replaced_and_the_model_comes_back(family
     with torch.no_grad():
         before = model(tokens[None])
     calls = []
-    watched = [next(m for m in layer.mlp.modules() if m is not layer.mlp and any(True for _ in m.parameters(recurse=False)))
-               for layer in model.layers] + [layer.self_attn.attention_scores for layer in model.layers]
+    firsts = [next(m for m in layer.mlp.modules() if m is not layer.mlp and len(list(m.parameters(recurse=False))))
+              for layer in model.layers]
+    watched = firsts + [layer.self_attn.attention_scores for layer in model.layers]
     handles = [m.register_forward_hook(lambda *args, i=i: calls.append(i)) for i, m in enumerate(watched)]
     try:
         list(decompose(prompt, every_node(prompt)[:3], reads(model), with_total=True))
