@@ -416,16 +416,23 @@ def attribution_table() -> str:
 def afm_attribution_table() -> str:
     r, f = load("attribution_afm"), afm_attribution()
     budget = f["checkpoint_bytes"] + f["transcoder_bytes"]
-    rows = [("checkpoint (synthetic, bfloat16) + 36 per-layer transcoders of 8,192 features (bfloat16)",
+    lazy = f.get("lazy_transcoders", False)
+    rows = [("checkpoint (synthetic, bfloat16) + 36 per-layer transcoders of 8,192 features (bfloat16"
+             + (", read lazily from their files)" if lazy else ", resident)"),
              f"{f['checkpoint_bytes'] / 1e9:.2f} GB + {f['transcoder_bytes'] / 1e9:.2f} GB = {budget / 1e9:.2f} GB"),
             ("prompt; features computed (`max_feature_nodes`); nodes",
-             f"{f['seq']} tokens; {f['features']} of the active; {f['nodes']}"),
-            ("resident before the call (model, transcoders, interpreter)", f"{f['rss_before_bytes'] / 1e9:.2f} GB"),
-            ("peak resident during `attribute` (VmHWM)",
-             f"{f['peak_rss_bytes'] / 1e9:.2f} GB = **{f['ratio']:.3f}x** checkpoint + transcoders (target <= 1.5x, "
-             f"{'met' if f['ratio'] <= 1.5 else '**not met**'})"),
-            ("of which above the resident before", f"{f['peak_increase_bytes'] / 1e9:.2f} GB"),
-            ("time", f"{f['cpu_s']:.0f} CPU s, {f['wall_s']:.0f} s wall")]
+             f"{f['seq']} tokens; {f['features']} of the active; {f['nodes']:,}")]
+    if f.get("head_loadings"):
+        rows.append(("kept (pruned 0.8 / 0.98): nodes; edges with head loadings; QK tables",
+                     f"{f['kept_nodes']:,}; {f['loading_edges']:,}; {f['qk_tables']}"))
+    rows += [("resident before the call (model, transcoders, interpreter)", f"{f['rss_before_bytes'] / 1e9:.2f} GB"),
+             ("peak resident during `attribute` (VmHWM)",
+              f"{f['peak_rss_bytes'] / 1e9:.2f} GB = **{f['ratio']:.3f}x** checkpoint + transcoders (target <= 1.5x, "
+              f"{'met' if f['ratio'] <= 1.5 else '**not met**'})"),
+             ("of which above the resident before", f"{f['peak_increase_bytes'] / 1e9:.2f} GB"),
+             ("time", f"{f['cpu_s']:.0f} CPU s, {f['wall_s']:.0f} s wall"
+              + ("" if "phase_cpu_s" not in f else " (CPU s by phase: "
+                 + ", ".join(f"{name} {sec:.0f}" for name, sec in f["phase_cpu_s"].items()) + ")"))]
     return key_value_table(rows, r)
 
 
