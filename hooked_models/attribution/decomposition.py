@@ -84,9 +84,9 @@ def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> 
         elif c.kind == "error":
             writes[c.layer, r, c.pos] = prompt.errors[c.layer, c.pos]
         else:
-            layer, pos, feature = prompt.active[c.index].tolist()
+            layer, pos, _ = prompt.active[c.index].tolist()
             for t in written_layers(tcs, layer):
-                writes[t, r, pos] = prompt.activations[c.index] * tcs.decoder_rows(layer, t, [feature])[0].to(dtype)
+                writes[t, r, pos] = prompt.activations[c.index] * prompt.decoder_row(c.index, t).to(dtype)
     everything = [r for r, c in enumerate(rows) if c is _ALL]
     for r in everything:
         embedding[r] = prompt.embedding

@@ -93,11 +93,11 @@ class Prompt:
         self._writes = None
         self.activations = torch.stack(self.acts)[tuple(active.T)]
 
-    def feature_writes(self) -> list[tuple[int, list[int], list[int], dict[int, tuple[Tensor, ...]]]]:
-        """Per layer, where its features write, for `Replica._rows_of`: the first of its rows in
-        `active` (nonzero() ordered them by layer, then position), the positions that have active
-        features, the end of each position's rows, and for each layer t written, the features'
-        decoder rows at t split by position.
+    def feature_writes(self) -> list[tuple[int, list[int], list[int], dict[int, Tensor]]]:
+        """Per layer, where its features write, for `Replica._rows_of` and the decomposition: the first
+        of its rows in `active` (nonzero() ordered them by layer, then position), the positions that have
+        active features, how many rows each has, and for each layer t written, the features' decoder
+        rows at t [feature d_out], in `active`'s order.
         Computed once per prompt (every backward pass reads them)."""
         if self._writes is None:
             tcs, dtype = self.transcoders, self.errors.dtype
@@ -107,12 +107,15 @@ class Prompt:
                 start = int(rows[0]) if rows.numel() else 0
                 pos, ids = self.active[rows, 1], self.active[rows, 2]
                 positions, counts = pos.unique_consecutive(return_counts=True)
-                groups = {}
-                for t in written_layers(tcs, layer) if rows.numel() else ():
-                    groups[t] = tcs.decoder_rows(layer, t, ids).to(dtype).split(counts.tolist())
-                ends = (start + counts.cumsum(0)).tolist()
-                self._writes.append((start, positions.tolist(), ends, groups))
+                decoders = {t: tcs.decoder_rows(layer, t, ids).to(dtype)
+                            for t in (written_layers(tcs, layer) if rows.numel() else ())}
+                self._writes.append((start, positions.tolist(), counts.tolist(), decoders))
         return self._writes
+
+    def decoder_row(self, index: int, target: int) -> Tensor:
+        """Active feature `index`'s decoder row into layer `target`'s MLP output (from `feature_writes`)."""
+        start, _, _, decoders = self.feature_writes()[int(self.active[index, 0])]
+        return decoders[target][index - start]
 
     def salient_logits(self, desired_logit_prob: float, max_n_logits: int) -> tuple[Tensor, Tensor]:
         """The most probable next tokens until their probabilities reach `desired_logit_prob`, at most
@@ -234,15 +237,16 @@ class Replica:
         for layer, g in enumerate(g_out):
             if g is not None:
                 errors[:, layer, :length] = torch.einsum("bsd,sd->bs", g, prompt.errors[layer, :length])
-        for layer, (start, positions, ends, groups) in enumerate(prompt.feature_writes()):
+        for layer, (start, positions, counts, decoders) in enumerate(prompt.feature_writes()):
             k = bisect.bisect_left(positions, length)  # the positions inside the prefix
-            stop = ends[k - 1] if k else start
+            stop = start + sum(counts[:k])
             # One matrix product per position (nonzero() ordered the rows by position): gathering the
             # gradient at each feature's position would copy [batch feature hidden_size], 10x slower.
             direct = 0
-            for t, decoders in groups.items():
+            for t, rows_t in decoders.items():
                 if k and g_out[t] is not None:
-                    direct = direct + torch.cat([g_out[t][:, p] @ d.T for p, d in zip(positions[:k], decoders[:k])], 1)
+                    parts = rows_t[:stop - start].split(counts[:k])
+                    direct = direct + torch.cat([g_out[t][:, p] @ d.T for p, d in zip(positions[:k], parts)], 1)
             if stop > start and not isinstance(direct, int):
                 features[:, start:stop] = direct * prompt.activations[start:stop]
         return rows

@@ -38,7 +38,6 @@ class LazyTranscoderSet(TranscoderSet):
         self.path, self.files, self._activation, self._k = path, files, activation, k
         self._dtype, self._device = dtype, device
         self._held: tuple[int, Transcoder] | None = None
-        self._rows: dict[int, tuple[Tensor, Tensor]] = {}  # per layer, the decoder rows last read
         self._smalls: dict[tuple[int, str], Tensor] = {}  # b_dec and W_skip, read once
         with safe_open(str(files[0]), "pt") as f:
             names = set(f.keys())
@@ -119,12 +118,8 @@ class LazyTranscoderSet(TranscoderSet):
     def decoder_rows(self, source: int, target: int, ids: Tensor | Sequence[int]) -> Tensor:
         """[n d_out]: the decoder rows of features `ids` of layer `source` (only those read)."""
         self._same(source, target)
-        ids = self._ids(ids)
-        cached = self._rows.get(source)
-        if cached is None or not torch.equal(cached[0], ids):  # the same rows asked again: not read again
-            with safe_open(str(self.files[source]), "pt") as f:
-                cached = self._rows[source] = (ids, self._cast(f.get_slice("W_dec")[ids]))
-        return cached[1]
+        with safe_open(str(self.files[source]), "pt") as f:
+            return self._cast(f.get_slice("W_dec")[self._ids(ids)])
 
     def decode_to(self, layer: int, acts_by_source_layer, x: Tensor | None = None) -> Tensor:
         """As `TranscoderSet.decode_to`; a layer with no feature active writes its b_dec (and skip
@@ -161,7 +156,7 @@ class LazyTranscoderSet(TranscoderSet):
         probe = fn(torch.zeros((), dtype=self.dtype, device=self._device))
         self._dtype = probe.dtype if probe.is_floating_point() else self._dtype
         self._device = probe.device
-        self._held, self._rows, self._smalls = None, {}, {}
+        self._held, self._smalls = None, {}
         return self
 
     def extra_repr(self) -> str:
