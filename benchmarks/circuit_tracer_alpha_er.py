@@ -38,16 +38,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # The Arcee comparison's helpers; importing it imports nothing of hooked_models (the side half needs that).
-from benchmarks.circuit_tracer_compare import SIDE_PYTHON, jumprelu_transcoders, side_parser, timed  # noqa: E402
+from benchmarks.circuit_tracer_compare import (  # noqa: E402
+    SIDE_PYTHON,
+    jumprelu_transcoders,
+    side_model,
+    side_parser,
+    timed,
+)
 
 PROMPT = "When Mary and John went to the store together, John gave a drink to"   # 16 tokens: block_size
 
 
 def side(args) -> None:
     """circuit-tracer's forward with our transcoders, in the side environment (imports nothing of hooked_models)."""
-    import yaml
-    from circuit_tracer.replacement_model.replacement_model_nnsight import NNSightReplacementModel
-    from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
     from circuit_tracer.utils import tl_nnsight_mapping
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -68,13 +71,7 @@ def side(args) -> None:
         feature_hook_mapping={"mlp.hook_in": ("model.layers[{layer}].post_attention_layernorm", "output"),
                               "mlp.hook_out": ("model.layers[{layer}].mlp", "output")},
     ))
-    config = yaml.safe_load((args.transcoders / "config.yaml").read_text())
-    paths = {layer: str(args.transcoders / name) for layer, name in enumerate(config["transcoders"])}
-    transcoders = load_transcoder_set(paths, scan="hooked_models-random-jumprelu", feature_input_hook="mlp.hook_in",
-                                      feature_output_hook="mlp.hook_out", device=torch.device("cpu"),
-                                      dtype=torch.float32, lazy_encoder=False, lazy_decoder=False)
-    model = NNSightReplacementModel.from_pretrained_and_transcoders(str(args.model), transcoders, device="cpu",
-                                                                    dtype=torch.float32)
+    model = side_model(args)
     tokens = torch.tensor([json.loads(args.tokens)])
     (logits, activations), cpu, wall = timed(lambda: model.get_activations(tokens), args.rounds)
     torch.save({"logits": logits, "activations": activations, "cpu_s": cpu, "wall_s": wall}, args.out)

@@ -78,28 +78,35 @@ def timed(fn, rounds: int) -> tuple[object, float, float]:
 
 
 # ------------------------------------------------------------------------------------ the side half
-def side(args) -> None:
-    """circuit-tracer's graph, in the side environment (imports nothing of hooked_models)."""
-    from dataclasses import replace
-    from importlib.metadata import version
-
+def side_model(args):
+    """circuit-tracer's NNSightReplacementModel of the checkpoint `args.model` with the per-layer transcoders
+    saved in `args.transcoders` (float32, on the CPU, read whole), in the side environment."""
     import yaml
-    from circuit_tracer import attribute
     from circuit_tracer.replacement_model.replacement_model_nnsight import NNSightReplacementModel
     from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
-    from circuit_tracer.utils import tl_nnsight_mapping
-
-    # Arcee is registered nowhere in circuit-tracer: Llama's mapping fits it (issue 19).
-    llama = tl_nnsight_mapping.get_mapping("LlamaForCausalLM")
-    tl_nnsight_mapping._register(replace(llama, model_architecture="ArceeForCausalLM"))
 
     config = yaml.safe_load((args.transcoders / "config.yaml").read_text())
     paths = {layer: str(args.transcoders / name) for layer, name in enumerate(config["transcoders"])}
     transcoders = load_transcoder_set(paths, scan="hooked_models-random-jumprelu", feature_input_hook="mlp.hook_in",
                                       feature_output_hook="mlp.hook_out", device=torch.device("cpu"),
                                       dtype=torch.float32, lazy_encoder=False, lazy_decoder=False)
-    model = NNSightReplacementModel.from_pretrained_and_transcoders(str(args.model), transcoders, device="cpu",
-                                                                    dtype=torch.float32)
+    return NNSightReplacementModel.from_pretrained_and_transcoders(str(args.model), transcoders, device="cpu",
+                                                                  dtype=torch.float32)
+
+
+def side(args) -> None:
+    """circuit-tracer's graph, in the side environment (imports nothing of hooked_models)."""
+    from dataclasses import replace
+    from importlib.metadata import version
+
+    from circuit_tracer import attribute
+    from circuit_tracer.utils import tl_nnsight_mapping
+
+    # Arcee is registered nowhere in circuit-tracer: Llama's mapping fits it (issue 19).
+    llama = tl_nnsight_mapping.get_mapping("LlamaForCausalLM")
+    tl_nnsight_mapping._register(replace(llama, model_architecture="ArceeForCausalLM"))
+
+    model = side_model(args)
     tokens = torch.tensor(json.loads(args.tokens))
     graph, cpu, wall = timed(lambda: attribute(tokens, model, batch_size=args.batch_size,
                                                desired_logit_prob=args.desired_logit_prob), args.rounds)
