@@ -66,14 +66,25 @@ def measure(model, tokens, transcoders, **kwargs) -> dict:
             "peak_increase_bytes": peak - before, **{k: v for k, v in kwargs.items() if k != "progress"}}
 
 
+def random_transcoder(model, layer: int, d_transcoder: int, k: int, dtype=torch.float32, seed: int = 0) -> Transcoder:
+    """Layer `layer`'s random TopK transcoder (`init_transcoder_`, seeded by seed + layer)."""
+    tc = Transcoder(model.cfg.hidden_size, d_transcoder, layer=layer, activation="topk", k=k, dtype=dtype)
+    init_transcoder_(tc, seed + layer)
+    return tc
+
+
 def random_transcoders(model, d_transcoder: int, k: int, dtype=torch.float32, seed: int = 0) -> TranscoderSet:
-    d = model.cfg.hidden_size
-    layers = []
-    for layer in range(model.cfg.num_layers):
-        tc = Transcoder(d, d_transcoder, layer=layer, activation="topk", k=k, dtype=dtype)
-        init_transcoder_(tc, seed + layer)
-        layers.append(tc)
-    return TranscoderSet(layers, model=model)
+    return TranscoderSet([random_transcoder(model, layer, d_transcoder, k, dtype, seed)
+                          for layer in range(model.cfg.num_layers)], model=model)
+
+
+def random_arcee_8x1024() -> HookedArcee:
+    """The benchmarks' random 8-layer, 1024-wide GQA Arcee (seeded)."""
+    from transformers import ArceeForCausalLM
+
+    shape = argparse.Namespace(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2, head_dim=128)
+    torch.manual_seed(0)
+    return HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
 
 
 def random_tokens(model, seq: int, seed: int = 0) -> torch.Tensor:
@@ -93,11 +104,7 @@ def embedded_runs(seqs: dict[str, list[int]], record) -> None:
 
 def random_arcee_runs(seqs: list[int], budgets: list[int | None], all_up_to: int, d_transcoder: int, k: int,
                       record) -> None:
-    from transformers import ArceeForCausalLM
-
-    shape = argparse.Namespace(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2, head_dim=128)
-    torch.manual_seed(0)
-    model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
+    model = random_arcee_8x1024()
     transcoders = random_transcoders(model, d_transcoder, k)
     for seq in seqs:
         for budget in budgets:
@@ -119,8 +126,7 @@ def write_random_transcoders(model, directory: Path, d_transcoder: int, k: int, 
     directory.mkdir(parents=True, exist_ok=True)
     files = []
     for layer in range(model.cfg.num_layers):
-        tc = Transcoder(model.cfg.hidden_size, d_transcoder, layer=layer, activation="topk", k=k, dtype=dtype)
-        init_transcoder_(tc, seed + layer)
+        tc = random_transcoder(model, layer, d_transcoder, k, dtype, seed)
         files.append(f"layer_{layer}.safetensors")
         save_file(tc.state_for_file(), str(directory / files[-1]))
         del tc
@@ -186,11 +192,7 @@ def phased(model, tokens, transcoders, head_loadings: str | bool = "pruned", **k
 def scale_run(seq: int = 64, max_feature_nodes: int = 2048, d_transcoder: int = 4096, k: int = 16) -> dict:
     """The random 8 x 1024 Arcee at `seq` tokens, `max_feature_nodes` features, head loadings and QK for the
     pruned graph on: time per phase (from `progress=`), peak memory, the kept graph's size."""
-    from transformers import ArceeForCausalLM
-
-    shape = argparse.Namespace(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=2, head_dim=128)
-    torch.manual_seed(0)
-    model = HookedArcee.from_hf(randomize_(ArceeForCausalLM(hf_arcee_config(shape)))).eval()
+    model = random_arcee_8x1024()
     transcoders = random_transcoders(model, d_transcoder, k)
     result = phased(model, random_tokens(model, seq), transcoders, max_feature_nodes=max_feature_nodes)
     return {"model": "random Arcee 8 x 1024", "d_transcoder": d_transcoder, "k": k, **result}
