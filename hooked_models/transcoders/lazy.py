@@ -117,7 +117,7 @@ class LazyTranscoderSet(TranscoderSet):
 
     def decoder_rows(self, source: int, target: int, ids: Tensor | Sequence[int]) -> Tensor:
         """[n d_out]: the decoder rows of features `ids` of layer `source` (only those read)."""
-        self._same(source, target)
+        self._writes_only_itself(source, target)
         with safe_open(str(self.files[source]), "pt") as f:
             return self._cast(f.get_slice("W_dec")[self._ids(ids)])
 
@@ -135,21 +135,6 @@ class LazyTranscoderSet(TranscoderSet):
             w_skip = self._small(layer, "W_skip")
             out = out + x.to(w_skip.dtype) @ w_skip.T
         return out
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write circuit-tracer's layout to `path`, one layer read at a time."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        from safetensors.torch import save_file
-
-        files = [f"layer_{layer}.safetensors" for layer in range(self.n_layers)]
-        for layer, name in enumerate(files):
-            save_file(self[layer].state_for_file(), str(path / name))
-        import yaml
-
-        (path / "config.yaml").write_text(yaml.safe_dump(self._config(files, self.activation, self._k_of()),
-                                                         sort_keys=False))
-        return path
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype=, device=)`: where and as what later reads go (no tensor is resident to move)."""
@@ -169,7 +154,7 @@ class LazyTranscoderSet(TranscoderSet):
         with safe_open(str(file), "pt") as f:
             state = {name: f.get_tensor(name) for name in f.keys()}
         if self._activation == "topk" and "k" not in state:
-            state["k"] = torch.tensor(self._k_of())
+            state["k"] = torch.tensor(self.k)
         tc = Transcoder.from_file_state(state, layer, self._activation, where=str(file))
         del state
         return tc.to(dtype=self._dtype, device=self._device).requires_grad_(False)
@@ -180,7 +165,8 @@ class LazyTranscoderSet(TranscoderSet):
                 self._smalls[layer, name] = self._cast(f.get_tensor(name))
         return self._smalls[layer, name]
 
-    def _k_of(self) -> int | None:
+    @property
+    def k(self) -> int | None:
         if self._activation != "topk":
             return None
         if self._k is None:
@@ -196,8 +182,3 @@ class LazyTranscoderSet(TranscoderSet):
 
     def _cast(self, t: Tensor) -> Tensor:
         return t.to(dtype=self._dtype or t.dtype, device=self._device or t.device)
-
-    def _same(self, source: int, target: int) -> None:
-        if self._layer(source) != self._layer(target):
-            raise ValueError(f"a per-layer transcoder of layer {source} writes only layer {source}'s MLP output, "
-                             f"not layer {target}'s")

@@ -239,6 +239,7 @@ class TranscoderSet(SetBase):
     d_out = property(lambda self: self.transcoders[0].d_out)
     activation = property(lambda self: self.transcoders[0].activation)
     has_skip = property(lambda self: self.transcoders[0].has_skip)
+    k = property(lambda self: self.transcoders[0].k)
 
     def __len__(self) -> int:
         return len(self.transcoders)
@@ -264,10 +265,13 @@ class TranscoderSet(SetBase):
     def decoder(self, source: int, target: int) -> Float[Tensor, "d_transcoder d_out"]:
         """The decoder from layer `source`'s features to layer `target`'s MLP output (per-layer: only
         source == target writes; another target is a ValueError)."""
+        self._writes_only_itself(source, target)
+        return self[source].W_dec
+
+    def _writes_only_itself(self, source: int, target: int) -> None:
         if self._layer(source) != self._layer(target):
             raise ValueError(f"a per-layer transcoder of layer {source} writes only layer {source}'s MLP output, "
                              f"not layer {target}'s")
-        return self[source].W_dec
 
     def encoder(self, layer: int) -> Float[Tensor, "d_in d_transcoder"]:
         return self[layer].W_enc
@@ -294,10 +298,10 @@ class TranscoderSet(SetBase):
         """Write circuit-tracer's layout to the directory `path`."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        files = [f"layer_{tc.layer}.safetensors" for tc in self.transcoders]
-        for name, tc in zip(files, self.transcoders):
-            save_file(tc.state_for_file(), str(path / name))
-        config = self._config(files, self.activation, self.transcoders[0].k)
+        files = [f"layer_{layer}.safetensors" for layer in range(self.n_layers)]
+        for layer, name in enumerate(files):  # a layer at a time (a lazily loaded set reads one at a time)
+            save_file(self[layer].state_for_file(), str(path / name))
+        config = self._config(files, self.activation, self.k)
         (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 

@@ -43,6 +43,10 @@ def test_a_lazy_set_answers_as_the_resident_one(saved):
         assert torch.equal(lazy.decoder_rows(layer, layer, ids), resident.decoder(layer, layer)[ids])
         assert torch.equal(lazy.decoder(layer, layer), resident.decoder(layer, layer))
         assert torch.equal(lazy[layer].W_skip, resident[layer].W_skip)
+    lazy.save(path.parent / "again")  # written a layer at a time, read back whole: the same set
+    again = load_transcoders(path.parent / "again", model=model)
+    assert lazy.k == resident.k and all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                                          resident.state_dict().values()))
     assert lazy.to(dtype=torch.float64).encode(0, x.double()).dtype == torch.float64
 
 
