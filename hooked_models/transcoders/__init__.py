@@ -14,8 +14,9 @@ listed before it (the contract in pyproject.toml): `activation_functions` (relu,
 straight-through gradient) and `identity` (the hooks read and written, the model a set is for); `files`
 (circuit-tracer's config.yaml, SAELens's class names); `single_layer_transcoder` (`Transcoder`,
 `TranscoderSet`) and `cross_layer_transcoder`; `lazy` (`LazyTranscoderSet`: a saved set read from its
-files as it is used); `loading` (`load_transcoders`); `training`
-(`train_transcoders` from a harvest, resumable) and `fidelity` (`transcoder_fidelity`).
+files as it is used); `loading` (`load_transcoders`); `training/` (`train_transcoders`: streamed from the
+live model or from a harvest, across processes, resumable; a package of its own) and `fidelity`
+(`transcoder_fidelity`).
 """
 
 from hooked_models.transcoders.activation_functions import ACTIVATIONS, JUMPRELU_BANDWIDTH, jumprelu, step, topk_relu
@@ -34,14 +35,15 @@ from hooked_models.transcoders.loading import load_transcoders
 from hooked_models.transcoders.single_layer_transcoder import Transcoder, TranscoderSet
 from hooked_models.transcoders.training import (
     HarvestReader,
+    StreamingSource,
     TrainingConfig,
-    _training_loss,  # the training tests check one batch's loss against its formula
     init_transcoder_,
     new_transcoders,
     train_transcoders,
 )
 
 __all__ = ["ACTIVATIONS", "FEATURE_INPUT_HOOK", "FEATURE_OUTPUT_HOOK", "JUMPRELU_BANDWIDTH", "SAE_LENS_CLASSES",
-           "CrossLayerTranscoder", "HarvestReader", "LazyTranscoderSet", "ModelIdentity", "TrainingConfig", "Transcoder", "TranscoderSet",
+           "CrossLayerTranscoder", "HarvestReader", "LazyTranscoderSet", "ModelIdentity", "StreamingSource",
+           "TrainingConfig", "Transcoder", "TranscoderSet",
            "init_transcoder_", "input_hook_name", "jumprelu", "load_transcoders", "new_transcoders",
            "output_hook_name", "step", "topk_relu", "train_transcoders", "transcoder_fidelity"]

@@ -1,0 +1,163 @@
+"""The process group and the two layouts training runs in, on `torch.distributed` itself.
+
+A process started alone is a process group of one (gloo over an in-memory store), so one code path runs
+alone, under `torchrun` (gloo on CPU, nccl on GPUs) and under Ray Train's `TorchTrainer` (which sets the
+group up before the training function runs).
+
+- Data parallel (`layout="data"`): each process holds every feature and trains on its share of each
+  batch; losses are sums over its tokens divided by the global batch's totals, so the all-reduced (summed)
+  gradients are the global batch's.
+- Feature sharded (`layout="features"`, crosslayer-coding's layout): each process holds 1/N of every layer's
+  features (encoder columns, decoder rows, thresholds, their optimizer state) and sees the whole batch;
+  the reconstruction is the sum of the shards' partial ones, a TopK is chosen globally from each shard's
+  candidates, and the replicated parameters (decoder bias, skip) get the same gradient everywhere.
+"""
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@contextlib.contextmanager
+def process_group(timeout_s: float = 600.0):
+    """The default process group: the one already set up (Ray Train, a caller), one from torchrun's
+    environment, or a group of one. A group this function created is destroyed on leaving."""
+    if dist.is_initialized():
+        yield
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _SumAcrossShards(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward. Every process computes the same loss from the summed
+    value, so each already holds the whole gradient of its own partial (torch.distributed.nn's all_reduce
+    would sum those gradients again, N times too large: Megatron's "reduce from model-parallel region")."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+class Layout:
+    """Where this process stands: its rank, the process count, and how features and tokens are split."""
+
+    def __init__(self, kind: str, d_transcoder: int):
+        self.kind, self.rank, self.world = kind, dist.get_rank(), dist.get_world_size()
+        if kind == "features" and d_transcoder % self.world:
+            raise ValueError(f"d_transcoder={d_transcoder} is not divisible by the {self.world} processes that "
+                             "shard its features: choose a width that is")
+        self.d_transcoder = d_transcoder
+        self.d_local = d_transcoder // self.world if kind == "features" else d_transcoder
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "features" and self.world > 1
+
+    @property
+    def features(self) -> slice:
+        """This process's features of every layer."""
+        start = self.rank * self.d_local if self.kind == "features" else 0
+        return slice(start, start + self.d_local)
+
+    def sum_partials(self, x: Tensor) -> Tensor:
+        """The sum over feature shards of a partial reconstruction (differentiable; itself unsharded)."""
+        return _SumAcrossShards.apply(x) if self.sharded else x
+
+    def sum_tokens(self, x: Tensor) -> Tensor:
+        """A statistic summed over every process's tokens (data parallel; the batch is whole otherwise)."""
+        if self.kind == "data" and self.world > 1:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+    def sum_features(self, x: Tensor) -> Tensor:
+        """A count over features summed over the feature shards (whole already when data parallel)."""
+        if self.sharded:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+    def sum_all(self, x: Tensor) -> Tensor:
+        """A count split over the processes whichever the layout (tokens or features): their sum."""
+        if self.world > 1:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+    def any_tokens(self, fired: Tensor) -> Tensor:
+        """Whether a feature fired on any process's tokens."""
+        if self.kind == "data" and self.world > 1:
+            fired = fired.to(torch.int32)
+            dist.all_reduce(fired, op=dist.ReduceOp.MAX)
+        return fired.bool()
+
+    def reduce_gradients(self, params) -> None:
+        """Data parallel: sum each gradient over the processes (each holds its tokens' share)."""
+        if self.kind != "data" or self.world == 1:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def gather_features(self, x: Tensor, dim: int = -1) -> Tensor:
+        """Feature-sharded: every process's slice of the feature axis `dim`, concatenated in rank order."""
+        if not self.sharded:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def gather_tokens(self, x: Tensor) -> Tensor:
+        """Feature-sharded: the whole batch from every process's share of it (axis -2, in rank order)."""
+        if not self.sharded:
+            return x
+        sizes = [torch.zeros((), dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor(x.shape[-2]))
+        if len({int(s) for s in sizes}) != 1:
+            raise ValueError(f"the processes' shares of a batch differ in size ({[int(s) for s in sizes]} tokens)")
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-2)
+
+    def kth_largest(self, values: Tensor, k: int) -> Tensor:
+        """Per row (every axis but the last), the k-th largest of the row over every shard of it: each
+        process offers its k largest candidates, and the global k-th is chosen from those (what an
+        unsharded topk keeps is exactly what is >= it, ties aside)."""
+        local = values.topk(min(k, values.shape[-1]), dim=-1).values
+        if local.shape[-1] < k:
+            pad = local.new_full((*local.shape[:-1], k - local.shape[-1]), -torch.inf)
+            local = torch.cat([local, pad], dim=-1)
+        candidates = local
+        if self.sharded or (self.kind == "data" and self.world > 1 and values.ndim == 1):
+            parts = [torch.empty_like(local) for _ in range(self.world)]
+            dist.all_gather(parts, local.contiguous())
+            candidates = torch.cat(parts, dim=-1)
+        return candidates.topk(k, dim=-1).values[..., -1:]
+
+    def barrier(self) -> None:
+        dist.barrier()

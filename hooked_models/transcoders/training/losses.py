@@ -1,0 +1,88 @@
+"""The training objective's pieces: activations chosen across shards, FVU, AuxK, and the sparsity terms.
+
+Each function takes the global batch's statistics it divides by, so that a process's share of a sum over
+tokens (data parallel) or features (feature sharded) adds up, over the processes, to the one-process value.
+"""
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from hooked_models.transcoders.activation_functions import jumprelu, step
+from hooked_models.transcoders.training.distributed import Layout
+
+
+def activate(kind: str, pre: Float[Tensor, "tokens d_transcoder"], layout: Layout, *, k: int | None = None,
+             threshold: Tensor | None = None, bandwidth: float = 0.0, batch_tokens: int = 0
+             ) -> tuple[Float[Tensor, "tokens d_transcoder"], Tensor | None]:
+    """(activations, the smallest kept value for BatchTopK else None) of this process's pre-activations.
+
+    topk: per token, the k largest pre-activations of every shard, through ReLU (the same features an
+    unsharded topk keeps: the k-th largest is chosen from each shard's k candidates). batchtopk: the k·B
+    largest of the whole batch of B = `batch_tokens` tokens, through ReLU. jumprelu: pre · [pre > θ] with its
+    straight-through threshold gradient. relu: relu.
+    """
+    if kind == "relu":
+        return torch.relu(pre), None
+    if kind == "jumprelu":
+        return jumprelu(pre, threshold, bandwidth), None
+    if kind == "topk":
+        kth = layout.kth_largest(pre.detach(), k)
+        return torch.relu(pre) * (pre >= kth), None
+    if kind == "batchtopk":
+        kept = k * batch_tokens
+        kth = layout.kth_largest(torch.relu(pre.detach()).flatten(), kept)
+        acts = torch.relu(pre) * (pre >= kth)
+        return acts, kth.clamp(min=0).reshape(())
+    raise ValueError(f"activation {kind!r} is not trained here")
+
+
+def total_variance(y: Float[Tensor, "tokens d_out"], layout: Layout) -> Tensor:
+    """Σ|y - ȳ|² over the global batch (float64 sums across processes; ȳ the global mean)."""
+    y64 = y.detach().double()
+    stats = layout.sum_tokens(torch.cat([y64.sum(0), (y64 ** 2).sum().reshape(1),
+                                         torch.tensor([float(y.shape[0])], dtype=torch.float64)]))
+    total, squares, n = stats[:-2], stats[-2], stats[-1]
+    return (squares - (total ** 2).sum() / n).to(y.dtype)
+
+
+def fvu(error: Float[Tensor, "tokens d_out"], variance: Tensor) -> Tensor:
+    """This process's share of the fraction of variance unexplained, Σ|e|² / Σ|y - ȳ|² (sparsify's FVU)."""
+    return (error ** 2).sum() / variance
+
+
+def auxk_k(d_out: int, dead: int) -> tuple[int, float]:
+    """(how many dead features AuxK uses, its loss's scale): d_out // 2 (Gao et al. 2024, appendix B.1)
+    at most the number dead, the loss scaled by min(dead / (d_out // 2), 1), as sparsify does."""
+    k_aux = max(d_out // 2, 1)
+    return min(k_aux, dead), min(dead / k_aux, 1.0)
+
+
+def auxk_acts(pre: Float[Tensor, "tokens d_transcoder"], dead: Tensor, k_aux: int, layout: Layout
+              ) -> Float[Tensor, "tokens d_transcoder"]:
+    """The k_aux largest dead pre-activations of each token (across shards), through ReLU; others zero."""
+    masked = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+    kth = layout.kth_largest(masked.detach(), k_aux)
+    return torch.where(dead & (masked >= kth), torch.relu(pre), torch.zeros_like(pre))
+
+
+def l1_penalty(acts: Tensor, decoder_norms: Tensor, tokens: int) -> Tensor:
+    """Σ_i f_i ‖W_dec,i‖, per token of the global batch (ReLU transcoders; Anthropic's, SAELens's)."""
+    return (acts * decoder_norms).sum() / tokens
+
+
+def tanh_penalty(acts: Tensor, decoder_norms: Tensor, scale: float, tokens: int) -> Tensor:
+    """Σ_i tanh(c · |f_i| · ‖W_dec,i‖), per token: Anthropic's JumpReLU sparsity penalty ("Circuit tracing",
+    2025), a smooth L0 that stops pushing on features already large."""
+    return torch.tanh(scale * acts.abs() * decoder_norms).sum() / tokens
+
+
+def l0_penalty(pre: Tensor, threshold: Tensor, bandwidth: float, tokens: int) -> Tensor:
+    """Σ_i [pre_i > θ_i], per token, through the straight-through step (Rajamanoharan et al. 2024)."""
+    return step(pre, threshold, bandwidth).sum() / tokens
+
+
+def pre_act_loss(pre: Tensor, threshold: Tensor, decoder_norms: Tensor, tokens: int) -> Tensor:
+    """Σ_i relu(θ_i - pre_i) ‖W_dec,i‖, per token: Anthropic's pre-activation loss, a gradient that lifts
+    features below their thresholds (dead ones included) towards firing."""
+    return (torch.relu(threshold - pre) * decoder_norms).sum() / tokens

@@ -1,0 +1,53 @@
+"""What a training run leaves beside its transcoders: `training.json` (the config, the run, the curves) and
+`training.png` (FVU, L0 and dead % per layer against tokens seen)."""
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from hooked_models.transcoders.training.config import TrainingConfig
+
+
+def write_report(out: str | os.PathLike, transcoders, config: TrainingConfig, curves: list[dict], run: dict) -> Path:
+    """Save `transcoders` to `out` (circuit-tracer's layout; {layer: Transcoder} as `layer_{l}.safetensors`
+    files) with training.json and training.png beside them."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(transcoders, dict):  # some layers: each layer's file, which a later run's set can list
+        from safetensors.torch import save_file
+
+        for layer, tc in transcoders.items():
+            save_file(tc.state_for_file(), str(out / f"layer_{layer}.safetensors"))
+    else:
+        transcoders.save(out)
+    final = curves[-1] if curves else {}
+    report = {"config": asdict(config), "run": run, "final": final, "curves": curves}
+    (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_curves(curves, out / "training.png")
+    return out
+
+
+def plot_curves(curves: list[dict], path: Path) -> None:
+    """Three panels against tokens seen: each layer's FVU (log scale), L0 and dead %."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    tokens = [c["tokens"] for c in curves]
+    for key, ax, title in (("fvu", axes[0], "FVU (training batch)"), ("l0", axes[1], "L0"),
+                           ("dead_pct", axes[2], "dead %")):
+        layers = len(curves[0][key]) if curves else 0
+        for l in range(layers):
+            ax.plot(tokens, [c[key][l] for c in curves], label=f"layer {l}" if layers <= 12 else None, lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("tokens")
+        if key == "fvu":
+            ax.set_yscale("log")
+    if curves and len(curves[0]["fvu"]) <= 12:
+        axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
