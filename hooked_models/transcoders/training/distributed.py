@@ -13,6 +13,7 @@ group up before the training function runs).
   candidates, and the replicated parameters (decoder bias, skip) get the same gradient everywhere.
 """
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -25,19 +26,26 @@ from torch import Tensor
 @contextlib.contextmanager
 def process_group(timeout_s: float = 600.0):
     """The default process group: the one already set up (Ray Train, a caller), one from torchrun's
-    environment, or a group of one. A group this function created is destroyed on leaving."""
+    environment (kept for the process's life: a second training in the process reuses it, as re-creating
+    it on the same store can hang), or a group of one, destroyed on leaving."""
     if dist.is_initialized():
         yield
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        atexit.register(_destroy)
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         yield
     finally:
+        dist.destroy_process_group()
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
