@@ -96,8 +96,8 @@ def _windows(model, dataset, context_size: int | None, column: str | None, batch
 
 
 @torch.no_grad()
-def evaluate(model, transcoders: TranscoderSet | CrossLayerTranscoder, dataset, *, batch_size: int = 32,
-             context_size: int | None = None, column: str | None = None, progress: ProgressArg = None) -> dict:
+def evaluate(model, transcoders, dataset, *, batch_size: int = 32, context_size: int | None = None,
+             column: str | None = None, progress: ProgressArg = None) -> dict:
     """How well `transcoders` replace the model's MLPs over `dataset`, as a JSON-serialisable dict.
 
     dataset: token windows (a LongTensor or integer array [n seq]), or what `corpus.harvest` reads (a
