@@ -102,7 +102,8 @@ def evaluate(model, transcoders, dataset, *, batch_size: int = 32, context_size:
 
     dataset: token windows (a LongTensor or integer array [n seq]), or what `corpus.harvest` reads (a
       `datasets` Dataset or the path of one saved to disk, its token `column` or text packed into windows
-      of `context_size`). Each window is one row of a batch; there is no padding.
+      of `context_size`). Each window is one row of a batch; there is no padding. The windows are counted
+      first in a streaming pass (the progress total; text is tokenized for it and again for the run).
     transcoders: a `TranscoderSet`, `LazyTranscoderSet` (each layer's file is read twice a batch) or
       `CrossLayerTranscoder`, for this model (`check_model`).
     progress: tokens done (`progress.py`); a callable raising `Cancelled` stops it at a batch boundary,
