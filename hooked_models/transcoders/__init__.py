@@ -12,15 +12,17 @@ Names, layouts and files follow circuit-tracer (`SingleLayerTranscoder`, `Transc
 `CrossLayerTranscoder`), and so does the package: one module per concern, each importing only those
 listed before it (the contract in pyproject.toml): `activation_functions` (relu, topk, jumprelu and its
 straight-through gradient) and `identity` (the hooks read and written, the model a set is for); `files`
-(circuit-tracer's config.yaml, SAELens's class names); `single_layer_transcoder` (`Transcoder`,
-`TranscoderSet`) and `cross_layer_transcoder`; `lazy` (`LazyTranscoderSet`: a saved set read from its
-files as it is used); `loading` (`load_transcoders`); `training/` (`train_transcoders`: streamed from the
-live model or from a harvest, across processes, resumable; a package of its own) and `fidelity`
-(`transcoder_fidelity`).
+(circuit-tracer's config.yaml, SAELens's class names, the replacement model's hooks);
+`single_layer_transcoder` (`Transcoder`, `TranscoderSet`) and `cross_layer_transcoder`; `lazy`
+(`LazyTranscoderSet`: a saved set read from its files as it is used); `loading` (`load_transcoders`);
+`evaluation` (`evaluate`: FVU, L0, dead features, loss recovered and KL over a dataset, streamed) and
+`fidelity` (`transcoder_fidelity`, one batch); `training/` (`train_transcoders`: streamed from the live
+model or from a harvest, across processes, resumable; a package of its own).
 """
 
 from hooked_models.transcoders.activation_functions import ACTIVATIONS, JUMPRELU_BANDWIDTH, jumprelu, step, topk_relu
 from hooked_models.transcoders.cross_layer_transcoder import CrossLayerTranscoder
+from hooked_models.transcoders.evaluation import evaluate
 from hooked_models.transcoders.fidelity import transcoder_fidelity
 from hooked_models.transcoders.files import SAE_LENS_CLASSES
 from hooked_models.transcoders.identity import (
@@ -44,6 +46,6 @@ from hooked_models.transcoders.training import (
 
 __all__ = ["ACTIVATIONS", "FEATURE_INPUT_HOOK", "FEATURE_OUTPUT_HOOK", "JUMPRELU_BANDWIDTH", "SAE_LENS_CLASSES",
            "CrossLayerTranscoder", "HarvestReader", "LazyTranscoderSet", "ModelIdentity", "StreamingSource",
-           "TrainingConfig", "Transcoder", "TranscoderSet",
+           "TrainingConfig", "Transcoder", "TranscoderSet", "evaluate",
            "init_transcoder_", "input_hook_name", "jumprelu", "load_transcoders", "new_transcoders",
            "output_hook_name", "step", "topk_relu", "train_transcoders", "transcoder_fidelity"]

@@ -31,19 +31,7 @@ def transcoder_fidelity(model, transcoders: TranscoderSet | CrossLayerTranscoder
         y_hat = transcoders.decode_to(l, acts, cache[inputs[l]]).reshape(y.shape)
         explained.append(1 - float(((y - y_hat) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()))
     loss = float(model(tokens, return_type="loss"))
-    live: dict[int, Tensor] = {}  # the replacement model's features, layer by layer
-    live_inputs: dict[int, Tensor] = {}
-
-    def read(layer):
-        def hook(x, hook):
-            live[layer], live_inputs[layer] = transcoders.encode(layer, x), x
-        return hook
-
-    def write(layer):
-        return lambda y, hook: transcoders.decode_to(layer, live, live_inputs[layer]).to(y.dtype)
-
-    spliced = float(model.run_with_hooks(tokens, return_type="loss", fwd_hooks=[
-        hook for l in range(n) for hook in ((inputs[l], read(l)), (outputs[l], write(l)))]))
+    spliced = float(model.run_with_hooks(tokens, return_type="loss", fwd_hooks=transcoders.replacement_hooks()))
     ablated = float(model.run_with_hooks(tokens, return_type="loss",
                                          fwd_hooks=[(name, lambda y, hook: torch.zeros_like(y)) for name in outputs]))
     return {"variance_explained": explained, "loss": loss, "loss_spliced": spliced, "loss_zero_ablated": ablated,

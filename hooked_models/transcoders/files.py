@@ -7,10 +7,12 @@ and skip connection, for the conversions both ways.
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.nn as nn
 import yaml
+from torch import Tensor
 
 from hooked_models.transcoders.identity import (
     FEATURE_INPUT_HOOK,
@@ -27,8 +29,8 @@ SAE_LENS_CLASSES = {("relu", False): "Transcoder", ("relu", True): "SkipTranscod
 
 
 class SetBase(nn.Module):
-    """What a TranscoderSet and a CrossLayerTranscoder share: the model identity, hook names and the
-    circuit-tracer config file."""
+    """What a TranscoderSet and a CrossLayerTranscoder share: the model identity, hook names, the hooks
+    that splice the replacement model, and the circuit-tracer config file."""
 
     model_kind: str
 
@@ -59,6 +61,24 @@ class SetBase(nn.Module):
     def decoder_rows(self, source: int, target: int, ids):
         """[n d_out]: the decoder rows, from layer `source` to layer `target`'s MLP output, of features `ids`."""
         return self.decoder(source, target)[ids]
+
+    def replacement_hooks(self) -> list[tuple[str, Callable]]:
+        """fwd_hooks that make the model the replacement model: each layer's MLP output replaced by the
+        transcoders' output, its features encoded from the replacement model's own MLP inputs (no error
+        terms). A layer reads the features of the layers before it in the same run (cross-layer)."""
+        live: dict[int, Tensor] = {}  # this run's features and MLP inputs, layer by layer
+        inputs: dict[int, Tensor] = {}
+
+        def read(layer):
+            def hook(x, hook):
+                live[layer], inputs[layer] = self.encode(layer, x), x
+            return hook
+
+        def write(layer):
+            return lambda y, hook: self.decode_to(layer, live, inputs[layer]).to(y.dtype)
+
+        return [hook for l in range(self.n_layers)
+                for hook in ((self.input_hook(l), read(l)), (self.output_hook(l), write(l)))]
 
     def check_model(self, model) -> None:
         """Refuse a model these transcoders were not trained for (family, hidden size, layer count)."""
