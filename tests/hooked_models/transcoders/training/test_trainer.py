@@ -1,6 +1,8 @@
 """The trainer in one process: every kind learns the embedded models' MLPs, from a harvest and streamed from
 the model, resumes bit for bit, and runs where the caller turned gradients off."""
 
+import json
+
 import pytest
 import torch
 
@@ -174,3 +176,54 @@ def test_a_harvest_without_the_mlp_values_is_refused(tmp_path, arcee):
         train_transcoders(tmp_path / "acts")
     with pytest.raises(FileNotFoundError, match="not a corpus.harvest output"):
         train_transcoders(tmp_path)
+
+
+def test_a_run_writes_its_transcoders_report_and_curves(arcee, tmp_path):
+    from hooked_models.transcoders import load_transcoders
+
+    tokens = make_ioi_prompts(64, 41).clean_tokens
+    config = TrainingConfig(d_transcoder=32, steps=12, batch_tokens=128, buffer_tokens=512, activation="topk", k=4,
+                            log_every=4)
+    tcs = train_transcoders(arcee, dataset=tokens, config=config, out=tmp_path / "tc", progress=False)
+    loaded = load_transcoders(tmp_path / "tc", model=arcee)
+    for (name, a), b in zip(tcs.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    report = json.loads((tmp_path / "tc" / "training.json").read_text())
+    assert report["config"]["k"] == 4 and report["run"]["processes"] == 1 and report["run"]["tokens"] == 12 * 128
+    assert [c["tokens"] for c in report["curves"]] == [512, 1024, 1536]
+    last = report["curves"][-1]
+    assert len(last["fvu"]) == len(last["l0"]) == len(last["dead_pct"]) == 2
+    assert all(v == 4.0 for v in last["l0"]) and last["fvu"][0] < report["curves"][0]["fvu"][0]
+    assert (tmp_path / "tc" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_some_layers_train_alone(arcee, tmp_path):
+    """layers=(1,): layer 1's transcoder only, the model run no further than layer 1, saved as its file."""
+    tokens = make_ioi_prompts(64, 41).clean_tokens
+    config = TrainingConfig(d_transcoder=16, steps=3, batch_tokens=128, buffer_tokens=512, layers=(1,))
+    trained = train_transcoders(arcee, dataset=tokens, config=config, out=tmp_path / "tc", progress=False)
+    assert list(trained) == [1] and trained[1].layer == 1
+    assert sorted(p.name for p in (tmp_path / "tc").glob("layer_*")) == ["layer_1.safetensors"]
+
+
+def test_a_cancelled_run_stops_at_a_step_and_its_rerun_resumes(arcee, tmp_path):
+    from hooked_models.progress import Cancelled
+
+    tokens = make_ioi_prompts(64, 41).clean_tokens
+    config = TrainingConfig(d_transcoder=16, steps=10, batch_tokens=128, buffer_tokens=512, activation="topk", k=4,
+                            checkpoint_every=4)
+    whole = train_transcoders(arcee, dataset=tokens, config=config, progress=False)
+    seen = []
+
+    def stop_at_six(step):
+        seen.append(step.done)
+        if step.done == 6:
+            raise Cancelled("enough")
+
+    with pytest.raises(Cancelled, match="training stopped after step 6 of 10"):
+        train_transcoders(arcee, dataset=tokens, config=config, checkpoint=tmp_path / "ckpt", progress=stop_at_six)
+    assert seen == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 6  # saved on cancelling
+    resumed = train_transcoders(arcee, dataset=tokens, config=config, checkpoint=tmp_path / "ckpt", progress=False)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
