@@ -9,9 +9,10 @@ from pathlib import Path
 from hooked_models.transcoders.training.config import TrainingConfig
 
 
-def write_report(out: str | os.PathLike, transcoders, config: TrainingConfig, curves: list[dict], run: dict) -> Path:
+def write_report(out: str | os.PathLike, transcoders, config: TrainingConfig, curves: list[dict], run: dict,
+                 evaluation: dict | None = None) -> Path:
     """Save `transcoders` to `out` (circuit-tracer's layout; {layer: Transcoder} as `layer_{l}.safetensors`
-    files) with training.json and training.png beside them."""
+    files) with training.json (and `evaluation`, where measured) and training.png beside them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(transcoders, dict):  # some layers: each layer's file, which a later run's set can list
@@ -22,14 +23,14 @@ def write_report(out: str | os.PathLike, transcoders, config: TrainingConfig, cu
     else:
         transcoders.save(out)
     final = curves[-1] if curves else {}
-    report = {"config": asdict(config), "run": run, "final": final, "curves": curves}
+    report = {"config": asdict(config), "run": run, "final": final, "evaluation": evaluation, "curves": curves}
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_curves(curves, out / "training.png")
+    plot_curves(curves, out / "training.png", run.get("layers"))
     return out
 
 
-def plot_curves(curves: list[dict], path: Path) -> None:
-    """Three panels against tokens seen: each layer's FVU (log scale), L0 and dead %."""
+def plot_curves(curves: list[dict], path: Path, names: list[int] | None = None) -> None:
+    """Three panels against tokens seen: each layer's FVU (log scale), L0 and dead % (layers `names`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,11 +38,12 @@ def plot_curves(curves: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     tokens = [c["tokens"] for c in curves]
+    names = names or list(range(len(curves[0]["fvu"]) if curves else 0))
     for key, ax, title in (("fvu", axes[0], "FVU (training batch)"), ("l0", axes[1], "L0"),
                            ("dead_pct", axes[2], "dead %")):
         layers = len(curves[0][key]) if curves else 0
         for l in range(layers):
-            ax.plot(tokens, [c[key][l] for c in curves], label=f"layer {l}" if layers <= 12 else None, lw=1)
+            ax.plot(tokens, [c[key][l] for c in curves], label=f"layer {names[l]}" if layers <= 12 else None, lw=1)
         ax.set_title(title)
         ax.set_xlabel("tokens")
         if key == "fvu":

@@ -12,6 +12,7 @@ from dataclasses import asdict
 import torch
 
 from hooked_models.progress import Cancelled, ProgressArg, tracker
+from hooked_models.transcoders.evaluation import evaluate
 from hooked_models.transcoders.identity import ModelIdentity
 from hooked_models.transcoders.training import checkpoints
 from hooked_models.transcoders.training.config import TrainingConfig
@@ -34,7 +35,7 @@ def lr_factor(step: int, config: TrainingConfig) -> float:
 def train_transcoders(source, *, dataset=None, config: TrainingConfig = TrainingConfig(),
                       checkpoint: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
                       progress: ProgressArg = None, context_size: int | None = None, column: str | None = None,
-                      family: str | None = None, harvest_dir: str | os.PathLike | None = None):
+                      family: str | None = None, harvest_dir: str | os.PathLike | None = None, eval_dataset=None):
     """Transcoders trained to map each layer's `mlp_input` to its `mlp.mlp_output`: per layer (a
     `TranscoderSet`; `{layer: Transcoder}` with `config.layers`) or one `CrossLayerTranscoder`.
 
@@ -52,6 +53,9 @@ def train_transcoders(source, *, dataset=None, config: TrainingConfig = Training
       and `training.png` (the curves).
     progress: a bar (default: on a terminal) or a callable; one raising `Cancelled` stops every process at
       the same step, after a checkpoint where there is one.
+    eval_dataset: with a model and `out`, held-out token windows the result is measured on at the end
+      (`transcoders.evaluate`: FVU, L0, dead %, loss recovered, the replacement model's ΔCE and KL), written
+      into training.json as "evaluation" (a result of some layers only is not evaluated).
 
     Runs in the default process group: the one set up already (Ray Train, torchrun's environment) or a group
     of one. Training works where the caller turned gradients off, and leaves that setting as it was.
@@ -59,8 +63,11 @@ def train_transcoders(source, *, dataset=None, config: TrainingConfig = Training
     with process_group(), torch.enable_grad():
         layout = Layout(config.layout, config.d_transcoder)
         identity, stream, job = _source(source, dataset, config, layout, context_size, column, family, harvest_dir)
+        if eval_dataset is not None and (out is None or not isinstance(stream, StreamingSource)):
+            raise ValueError("eval_dataset= needs a model (with dataset=) and out= for the report it is written to")
         shard = Shard(identity, config, layout)
-        return _train(shard, stream, job, config, layout, checkpoint, out, progress)
+        evaluation = None if eval_dataset is None else (stream.model, eval_dataset)
+        return _train(shard, stream, job, config, layout, checkpoint, out, progress, evaluation)
 
 
 def _source(source, dataset, config, layout, context_size, column, family, harvest_dir):
@@ -111,7 +118,8 @@ def _harvest_mlps(model, dataset, out, context_size, layout: Layout) -> None:
     layout.barrier()
 
 
-def _train(shard: Shard, stream, job: dict, config: TrainingConfig, layout: Layout, checkpoint, out, progress):
+def _train(shard: Shard, stream, job: dict, config: TrainingConfig, layout: Layout, checkpoint, out, progress,
+           evaluation):
     params = shard.trained_parameters()
     optimizer = torch.optim.Adam(params, lr=config.lr)
     start, curves, seconds = 0, [], 0.0
@@ -162,9 +170,12 @@ def _train(shard: Shard, stream, job: dict, config: TrainingConfig, layout: Layo
     result = shard.gathered()
     seconds += time.process_time() - began
     if out is not None and layout.rank == 0:
-        write_report(out, result, config, curves, {"processes": layout.world, "layout": layout.kind,
-                                                   "cpu_seconds": seconds, "tokens": config.steps * tokens,
-                                                   "identity": job["identity"]})
+        run = {"processes": layout.world, "layout": layout.kind, "cpu_seconds": seconds,
+               "tokens": config.steps * tokens, "layers": shard.layers, "identity": job["identity"]}
+        measured = None
+        if evaluation is not None and not isinstance(result, dict):
+            measured = evaluate(evaluation[0], result, evaluation[1], progress=False)
+        write_report(out, result, config, curves, run, measured)
     if out is not None:
         layout.barrier()
     return result

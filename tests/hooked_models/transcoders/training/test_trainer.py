@@ -9,7 +9,7 @@ import torch
 from hooked_models import HookedArcee
 from hooked_models.embedded.task import make_ioi_prompts
 from hooked_models.transcoders import (
-    CrossLayerTranscoder, HarvestReader, ModelIdentity, TrainingConfig, TranscoderSet, train_transcoders,
+    CrossLayerTranscoder, HarvestReader, ModelIdentity, TrainingConfig, TranscoderSet, evaluate, train_transcoders,
     transcoder_fidelity,
 )
 
@@ -145,6 +145,21 @@ def test_streaming_in_the_datas_order_equals_the_harvest_of_the_same_rows(arcee,
         assert torch.equal(a, b), name
 
 
+def test_a_bfloat16_model_streams_in_its_dtype_and_trains_in_float32(tmp_path):
+    """The buffer holds the model's bfloat16 activations (half the bytes); the transcoders train in float32."""
+    model = HookedArcee.from_pretrained("embedded", dtype=torch.bfloat16)
+    tokens = make_ioi_prompts(64, 41).clean_tokens
+    from hooked_models.transcoders import StreamingSource
+
+    stream = StreamingSource(model, tokens, [0, 1], batch_tokens=128, buffer_tokens=512, forward_batch=8, streams=1,
+                             share=(0, 1), seed=0)
+    x, y = stream.batch()
+    assert stream.mine[0].buffer.dtype == torch.bfloat16 and x.dtype == y.dtype == torch.float32
+    config = TrainingConfig(d_transcoder=16, steps=5, batch_tokens=128, buffer_tokens=512, activation="topk", k=4)
+    tcs = train_transcoders(model, dataset=tokens, config=config, progress=False)
+    assert tcs.dtype == torch.float32 and all(bool(p.isfinite().all()) for p in tcs.parameters())
+
+
 def test_training_works_with_gradients_turned_off_and_leaves_them_off(arcee):
     tokens = make_ioi_prompts(32, 41).clean_tokens
     config = TrainingConfig(d_transcoder=16, steps=3, batch_tokens=64, buffer_tokens=256, activation="topk", k=4)
@@ -184,7 +199,9 @@ def test_a_run_writes_its_transcoders_report_and_curves(arcee, tmp_path):
     tokens = make_ioi_prompts(64, 41).clean_tokens
     config = TrainingConfig(d_transcoder=32, steps=12, batch_tokens=128, buffer_tokens=512, activation="topk", k=4,
                             log_every=4)
-    tcs = train_transcoders(arcee, dataset=tokens, config=config, out=tmp_path / "tc", progress=False)
+    held_out = make_ioi_prompts(16, 4242).clean_tokens
+    tcs = train_transcoders(arcee, dataset=tokens, config=config, out=tmp_path / "tc", progress=False,
+                            eval_dataset=held_out)
     loaded = load_transcoders(tmp_path / "tc", model=arcee)
     for (name, a), b in zip(tcs.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
@@ -195,6 +212,7 @@ def test_a_run_writes_its_transcoders_report_and_curves(arcee, tmp_path):
     assert len(last["fvu"]) == len(last["l0"]) == len(last["dead_pct"]) == 2
     assert all(v == 4.0 for v in last["l0"]) and last["fvu"][0] < report["curves"][0]["fvu"][0]
     assert (tmp_path / "tc" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["evaluation"] == evaluate(arcee, tcs, held_out, progress=False)
 
 
 def test_some_layers_train_alone(arcee, tmp_path):
