@@ -3,12 +3,18 @@
     python -m hooked_models.embedded.train_transcoders                 # both families
     python -m hooked_models.embedded.train_transcoders --family arcee --out /tmp/tc
 
-For each family: harvest every layer's MLP input and output over IOI prompts (clean and corrupted,
-drawn with seeds no test or evaluation uses), train TopK transcoders on it
+For each family: train TopK transcoders on every layer's MLP input and output over IOI prompts (clean
+and corrupted, drawn with seeds no test or evaluation uses), streamed from the model
 (`hooked_models.transcoders.train_transcoders`, seeded, one CPU thread by default so a rerun writes
 the same bytes), measure their fidelity on held-out prompts, and write circuit-tracer's layout to
 `hooked_models/embedded/<family>/transcoders/` with the figures in its `training.json`.
 `load_transcoders("embedded", model=model)` loads them.
+
+The shipped files were written by the trainer this package had before `transcoders/training/` (from a
+harvest, the decoder rows' unit-norm initialization, no bias centring; their `training.json` states the
+recipe and figures). Rerunning this script now trains with the current trainer, which on this recipe
+explains more of layer 0 (benchmarks/transcoder_training.py); the shipped ones stay until the feature
+statistics and tutorials built on them are regenerated with them.
 """
 
 import argparse
