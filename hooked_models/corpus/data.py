@@ -79,7 +79,40 @@ def _digest_rows(digest, batch) -> None:
             digest.update(len(encoded).to_bytes(8, "little") + encoded)
 
 
+# Files of token ids [n seq] read as the corpus: what people keep a tokenized dataset in.
+TOKEN_FILES = (".pt", ".npy", ".safetensors")
+
+
+def read_token_file(path: str | os.PathLike, column: str | None = None):
+    """Token ids [n seq] from a .npy file, or a .pt or .safetensors file holding one tensor (or several, one of
+    them named `column` or one of TOKEN_COLUMNS)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    if path.suffix == ".npy":
+        return np.load(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    else:
+        import torch
+
+        tensors = torch.load(path, weights_only=True, map_location="cpu")
+    if isinstance(tensors, (Tensor, np.ndarray)):
+        return tensors
+    if not isinstance(tensors, dict) or not tensors:
+        raise ValueError(f"{path} holds a {type(tensors).__name__}, not token ids [n seq] or a dict of tensors")
+    if len(tensors) == 1 and column is None:
+        return next(iter(tensors.values()))
+    return tensors[_column(list(tensors), column, str(path))]
+
+
 def read_corpus(dataset, column: str | None, rows: int = 1024) -> Corpus:
+    """The corpus in `dataset`: token ids [n seq] (an array, or a .pt/.npy/.safetensors file of them), or a
+    `datasets` dataset (or the path of one saved with save_to_disk) of token windows or text."""
+    if isinstance(dataset, (str, os.PathLike)) and Path(dataset).suffix in TOKEN_FILES:
+        dataset, column = read_token_file(dataset, column), None
     if isinstance(dataset, (Tensor, np.ndarray)):
         array = dataset.cpu().numpy() if isinstance(dataset, Tensor) else dataset
         if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):

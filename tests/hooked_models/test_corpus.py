@@ -117,6 +117,28 @@ def test_pack_windows():
     assert list(corpus.pack([[5, 6, 7], [8, 9, 10, 11, 12]], 3, bos=None)) == [[5, 6, 7], [8, 9, 10]]
 
 
+def test_token_files_are_read_as_the_corpus(tmp_path):
+    """Token ids [n seq] in a .npy, .pt or .safetensors file are the windows themselves; of a file of several
+    tensors, the one `column` names, else the one named as a token column is."""
+    from safetensors.torch import save_file
+
+    from hooked_models.corpus.data import read_corpus
+
+    tokens = torch.randint(0, 100, (5, 4), generator=torch.Generator().manual_seed(0))
+    np.save(tmp_path / "t.npy", tokens.numpy())
+    torch.save(tokens, tmp_path / "t.pt")
+    save_file({"input_ids": tokens, "mask": torch.ones_like(tokens)}, str(tmp_path / "t.safetensors"))
+    save_file({"a": tokens, "b": tokens.clone()}, str(tmp_path / "two.safetensors"))
+    for name in ("t.npy", "t.pt", "t.safetensors"):
+        read = read_corpus(str(tmp_path / name), None)
+        assert read.kind == "tokens" and np.array_equal(np.concatenate(list(read.batches())), tokens.numpy())
+    assert np.concatenate(list(read_corpus(tmp_path / "t.safetensors", "mask").batches())).tolist() == [[1] * 4] * 5
+    with pytest.raises(ValueError, match="two.safetensors has no column named tokens or input_ids"):
+        read_corpus(tmp_path / "two.safetensors", None)
+    with pytest.raises(FileNotFoundError, match="no.npy"):
+        read_corpus(tmp_path / "no.npy", None)
+
+
 def test_pack_matches_saelens():
     batching = pytest.importorskip("sae_lens.tokenization_and_batching")
     generator = torch.Generator().manual_seed(0)
