@@ -65,14 +65,19 @@ class _SumAcrossShards(torch.autograd.Function):
         return grad
 
 
+def check_layout(kind: str, d_transcoder: int, world: int) -> None:
+    """Feature sharding needs a width that the process count divides."""
+    if kind == "features" and d_transcoder % world:
+        raise ValueError(f"d_transcoder={d_transcoder} is not divisible by the {world} processes that shard its "
+                         "features: choose a width that is")
+
+
 class Layout:
     """Where this process stands: its rank, the process count, and how features and tokens are split."""
 
     def __init__(self, kind: str, d_transcoder: int):
         self.kind, self.rank, self.world = kind, dist.get_rank(), dist.get_world_size()
-        if kind == "features" and d_transcoder % self.world:
-            raise ValueError(f"d_transcoder={d_transcoder} is not divisible by the {self.world} processes that "
-                             "shard its features: choose a width that is")
+        check_layout(kind, d_transcoder, self.world)
         self.d_transcoder = d_transcoder
         self.d_local = d_transcoder // self.world if kind == "features" else d_transcoder
 

@@ -142,7 +142,8 @@ class _Stream:
                     raise ValueError(
                         f"the dataset is too small for one batch: stream {self.index} of {self.owner.streams} has "
                         f"{self.windows} windows of {self.owner.context_size} tokens, and a batch needs "
-                        f"{self.owner.share_tokens} tokens from each stream ({self.owner.batch_tokens} in all)")
+                        f"{self.owner.share_tokens} tokens from each stream "
+                        f"(batch_tokens={self.owner.batch_tokens} in all)")
                 self.epoch, self.windows, self._rows = self.epoch + 1, 0, None
                 continue
             acts = self.owner.activations(torch.from_numpy(windows))

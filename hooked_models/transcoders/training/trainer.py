@@ -35,12 +35,14 @@ def lr_factor(step: int, config: TrainingConfig) -> float:
 def train_transcoders(source, *, dataset=None, config: TrainingConfig = TrainingConfig(),
                       checkpoint: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
                       progress: ProgressArg = None, context_size: int | None = None, column: str | None = None,
-                      family: str | None = None, harvest_dir: str | os.PathLike | None = None, eval_dataset=None):
+                      family: str | None = None, harvest_dir: str | os.PathLike | None = None, eval_dataset=None,
+                      dtype=None):
     """Transcoders trained to map each layer's `mlp_input` to its `mlp.mlp_output`: per layer (a
     `TranscoderSet`; `{layer: Transcoder}` with `config.layers`) or one `CrossLayerTranscoder`.
 
-    source: a model (a hooked model, a checkpoint path or "embedded", `family` saying which) with `dataset`
-      (token windows [n seq], a `datasets` dataset or its path; text is packed into `context_size` windows),
+    source: a model (a hooked model, a checkpoint path or "embedded", `family` saying which, loaded in
+      `dtype`) with `dataset` (token windows [n seq] or a .pt/.npy/.safetensors file of them, a `datasets`
+      dataset or its path; text is packed into `context_size` windows),
       streamed: the frozen model runs over the dataset as training consumes it (epoch after epoch), through a
       shuffling buffer of `config.buffer_tokens`. With `harvest_dir`, the activations are harvested there
       first (`corpus.harvest`) and read back. Or a `corpus.harvest` directory of every layer's MLP input and
@@ -62,7 +64,8 @@ def train_transcoders(source, *, dataset=None, config: TrainingConfig = Training
     """
     with process_group(), torch.enable_grad():
         layout = Layout(config.layout, config.d_transcoder)
-        identity, stream, job = _source(source, dataset, config, layout, context_size, column, family, harvest_dir)
+        identity, stream, job = _source(source, dataset, config, layout, context_size, column, family, harvest_dir,
+                                        dtype)
         if eval_dataset is not None and (out is None or not isinstance(stream, StreamingSource)):
             raise ValueError("eval_dataset= needs a model (with dataset=) and out= for the report it is written to")
         shard = Shard(identity, config, layout)
@@ -70,7 +73,7 @@ def train_transcoders(source, *, dataset=None, config: TrainingConfig = Training
         return _train(shard, stream, job, config, layout, checkpoint, out, progress, evaluation)
 
 
-def _source(source, dataset, config, layout, context_size, column, family, harvest_dir):
+def _source(source, dataset, config, layout, context_size, column, family, harvest_dir, dtype=None):
     """(the model identity, the batch source for this process, what identifies the run in a checkpoint)."""
     share = (layout.rank, layout.world)  # feature-sharded processes gather the shares into the whole batch
     job = {"config": {k: v for k, v in asdict(config).items() if k not in ("checkpoint_every", "log_every")},
@@ -79,7 +82,10 @@ def _source(source, dataset, config, layout, context_size, column, family, harve
         from hooked_models.families import load_model
         from hooked_models.model import HookedModel
 
-        model = source if isinstance(source, HookedModel) else load_model(source, family)
+        if isinstance(source, HookedModel) and dtype is not None:
+            raise ValueError(f"dtype={dtype} is for a model loaded from a path; this one is loaded (in "
+                             f"{next(source.parameters()).dtype})")
+        model = source if isinstance(source, HookedModel) else load_model(source, family, dtype)
         identity = ModelIdentity.of(model)
         layers = _layers(identity, config)
         if harvest_dir is not None:
@@ -91,7 +97,8 @@ def _source(source, dataset, config, layout, context_size, column, family, harve
                                  streams=streams, share=share, seed=config.seed, context_size=context_size,
                                  column=column)
         return identity, stream, {**job, "identity": asdict(identity), "streams": streams,
-                                  "context_size": stream.context_size}
+                                  "context_size": stream.context_size,
+                                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"source is a {type(source).__name__}: pass a harvest directory, or a model with dataset=")
     reader = HarvestReader(source)
