@@ -1,5 +1,5 @@
 """What a training run leaves beside its transcoders: `training.json` (the config, the run, the curves) and
-`training.png` (FVU, L0 and dead % per layer against tokens seen)."""
+`training.png` (FVU, L0 and dead % per layer against tokens seen); `read_result` reads it all back."""
 
 import json
 import os
@@ -27,6 +27,21 @@ def write_report(out: str | os.PathLike, transcoders, config: TrainingConfig, cu
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_curves(curves, out / "training.png", run.get("layers"))
     return out
+
+
+def read_result(out: str | os.PathLike):
+    """What `write_report` saved in `out`, as `train_transcoders` returned it: a `TranscoderSet` or
+    `CrossLayerTranscoder` (`load_transcoders`), or {layer: Transcoder} for a run of some layers."""
+    from safetensors.torch import load_file
+
+    from hooked_models.transcoders.loading import load_transcoders
+    from hooked_models.transcoders.single_layer_transcoder import Transcoder
+
+    out = Path(out)
+    layers = json.loads((out / "training.json").read_text())["config"]["layers"]
+    if layers is None:
+        return load_transcoders(out)
+    return {l: Transcoder.from_file_state(load_file(str(out / f"layer_{l}.safetensors")), l) for l in layers}
 
 
 def plot_curves(curves: list[dict], path: Path, names: list[int] | None = None) -> None:
