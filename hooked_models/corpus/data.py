@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import Tensor
 
 # Column names read as token ids or as text when `column` is not given (SAELens's and transformers').
@@ -83,29 +84,40 @@ def _digest_rows(digest, batch) -> None:
 TOKEN_FILES = (".pt", ".npy", ".safetensors")
 
 
-def read_token_file(path: str | os.PathLike, column: str | None = None):
+def token_ids(array, what: str = "token ids") -> np.ndarray:
+    """`array` (a tensor or numpy array) as token windows [n seq], refused unless it is integers in 2 axes."""
+    if isinstance(array, Tensor):  # checked before numpy, which has no bfloat16
+        integer = not (array.is_floating_point() or array.is_complex() or array.dtype == torch.bool)
+    else:
+        integer = np.issubdtype(array.dtype, np.integer)
+    if array.ndim != 2 or not integer:
+        raise ValueError(f"{what} must be an integer array [n seq], got shape {tuple(array.shape)} {array.dtype}")
+    return array.cpu().numpy() if isinstance(array, Tensor) else array
+
+
+def read_token_file(path: str | os.PathLike, column: str | None = None) -> np.ndarray:
     """Token ids [n seq] from a .npy file, or a .pt or .safetensors file holding one tensor (or several, one of
     them named `column` or one of TOKEN_COLUMNS)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     if path.suffix == ".npy":
-        return np.load(path)
+        return token_ids(np.load(path), f"the token ids in {path}")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         tensors = load_file(str(path))
     else:
-        import torch
-
         tensors = torch.load(path, weights_only=True, map_location="cpu")
-    if isinstance(tensors, (Tensor, np.ndarray)):
-        return tensors
-    if not isinstance(tensors, dict) or not tensors:
+    if isinstance(tensors, dict) and tensors:
+        if len(tensors) == 1 and column is None:
+            name = next(iter(tensors))
+        else:
+            name = _column(list(tensors), column, str(path))
+        tensors, path = tensors[name], f"{path} ({name})"
+    if not isinstance(tensors, (Tensor, np.ndarray)):
         raise ValueError(f"{path} holds a {type(tensors).__name__}, not token ids [n seq] or a dict of tensors")
-    if len(tensors) == 1 and column is None:
-        return next(iter(tensors.values()))
-    return tensors[_column(list(tensors), column, str(path))]
+    return token_ids(tensors, f"the token ids in {path}")
 
 
 def read_corpus(dataset, column: str | None, rows: int = 1024) -> Corpus:
@@ -114,10 +126,7 @@ def read_corpus(dataset, column: str | None, rows: int = 1024) -> Corpus:
     if isinstance(dataset, (str, os.PathLike)) and Path(dataset).suffix in TOKEN_FILES:
         dataset, column = read_token_file(dataset, column), None
     if isinstance(dataset, (Tensor, np.ndarray)):
-        array = dataset.cpu().numpy() if isinstance(dataset, Tensor) else dataset
-        if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"token ids must be an integer array [n seq], got shape {tuple(array.shape)} "
-                             f"{array.dtype}")
+        array = token_ids(dataset)
         return Corpus("tokens", None, lambda: (array[i:i + rows] for i in range(0, len(array), rows)))
     dataset = open_dataset(dataset)
     names = list(dataset.column_names or next(iter(dataset)).keys())

@@ -137,6 +137,9 @@ def test_token_files_are_read_as_the_corpus(tmp_path):
         read_corpus(tmp_path / "two.safetensors", None)
     with pytest.raises(FileNotFoundError, match="no.npy"):
         read_corpus(tmp_path / "no.npy", None)
+    save_file({"x": torch.zeros(3, 4, dtype=torch.bfloat16)}, str(tmp_path / "floats.safetensors"))
+    with pytest.raises(ValueError, match=r"floats.safetensors \(x\) must be an integer array \[n seq\], got shape"):
+        read_corpus(tmp_path / "floats.safetensors", None)
 
 
 def test_pack_matches_saelens():
