@@ -194,6 +194,9 @@ def _train_command(commands) -> None:
                                                       "or a harvest directory")
     train.add_argument("--dataset", default=None, metavar="PATH", help=DATASET_HELP)
     train.add_argument("--out", required=True, metavar="DIR", help="the result directory (written by process 0)")
+    train.add_argument("--eval-dataset", default=None, metavar="PATH",
+                       help="held-out windows (as --dataset) the result is measured on at the end "
+                            "(transcoders.evaluate: FVU, L0, dead %%, loss recovered, KL), into training.json")
     train.add_argument("--checkpoint", default=None, metavar="DIR",
                        help="checkpoints every --checkpoint-every steps, one file per process; a rerun resumes "
                             "from the last one")
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         if reports:
             message = cli_words(str(message))
             if getattr(args, "dataset", None) is not None:  # "the dataset has no rows" -> "--dataset x.npy has ..."
-                message = re.sub(r"\b[Tt]he dataset\b", f"--dataset {args.dataset}", message, count=1)
+                message = re.sub(r"^[Tt]he dataset\b", f"--dataset {args.dataset}", message)
             print(f"{parser.prog} {args.command}: error: {message} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
@@ -422,6 +425,7 @@ def _train_transcoders(args) -> int:
     """Train with TrainingConfig from the flags, here (or in each torchrun process) or on Ray; report."""
     import json
 
+    from hooked_models.corpus.data import read_corpus
     from hooked_models.corpus.engines import check_engine
     from hooked_models.transcoders.training import train_transcoders, train_transcoders_on_ray
 
@@ -429,25 +433,39 @@ def _train_transcoders(args) -> int:
     config = training_config(args)
     if args.dataset is None and not (Path(args.model) / "manifest.json").is_file():
         raise ValueError(f"--dataset is needed: MODEL {args.model} is not a harvest directory")
+    if args.eval_dataset is not None:  # read now, not after training
+        if args.dataset is None:
+            raise ValueError(f"--eval-dataset {args.eval_dataset} runs the model: give MODEL a model and --dataset")
+        try:
+            read_corpus(args.eval_dataset, args.column)
+        except ValueError as error:
+            raise ValueError(f"--eval-dataset {args.eval_dataset}: {error}") from None
     job = dict(dataset=args.dataset, config=config, checkpoint=args.checkpoint, out=args.out,
                progress=False if args.no_progress else None, context_size=args.context_size, column=args.column,
-               family=args.family, dtype=args.dtype, harvest_dir=args.harvest_dir)
+               family=args.family, dtype=args.dtype, harvest_dir=args.harvest_dir, eval_dataset=args.eval_dataset)
     if args.engine == "ray":
         train_transcoders_on_ray(args.model, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker, **job)
     else:
         train_transcoders(args.model, **job)
     if int(os.environ.get("RANK", "0")) == 0:
         report = json.loads((Path(args.out) / "training.json").read_text())
-        run, final = report["run"], report["final"]
+        run, final, held_out = report["run"], report["final"], report.get("evaluation")
         kind = "cross-layer transcoder" if config.cross_layer else "per-layer transcoders"
         print(f"trained {config.activation} {kind} of width {config.d_transcoder} on {run['tokens']:,} tokens "
               f"({config.steps} steps of {config.batch_tokens}), {run['processes']} process"
               f"{'es' if run['processes'] > 1 else ''} ({run['layout']}); last batch:")
-        layers = config.layers or range(len(final["fvu"]))
-        for layer, fvu, l0, dead in zip(layers, final["fvu"], final["l0"], final["dead_pct"]):
-            print(f"  layer {layer}: FVU {fvu:.4g}  L0 {l0:.1f}  dead {dead:.1f}%")
+        _print_layers(run["layers"], final["fvu"], final["l0"], final["dead_pct"])
+        if held_out:
+            print(f"held out ({held_out['tokens']:,} tokens): loss recovered {held_out['loss_recovered']:.4g}, "
+                  f"loss gap {held_out['loss_gap']:.4g}, KL {held_out['kl_divergence']:.4g}")
+            _print_layers(run["layers"], held_out["fvu"], held_out["l0"], held_out["dead_percent"])
         print(f"wrote {args.out}")
     return 0
+
+
+def _print_layers(layers, fvu, l0, dead) -> None:
+    for row in zip(layers, fvu, l0, dead, strict=True):
+        print("  layer {}: FVU {:.4g}  L0 {:.1f}  dead {:.1f}%".format(*row))
 
 
 def _patch(args) -> int:

@@ -25,7 +25,8 @@ SMALL_RUN_FLAGS = ["--width", "32", "--steps", "12", "--batch-tokens", "128", "-
 @pytest.fixture(scope="session")
 def small_run(tmp_path_factory, arcee):
     """(a directory of token windows [96 16] of the embedded Arcee's task saved as tokens.npy, .pt and
-    .safetensors, what one process trains on them with SMALL_RUN, and the flags that say SMALL_RUN)."""
+    .safetensors, and 32 others as held-out.npy; what one process trains on them with SMALL_RUN; the flags
+    that say SMALL_RUN)."""
     import numpy as np
     import torch
     from safetensors.torch import save_file
@@ -36,6 +37,7 @@ def small_run(tmp_path_factory, arcee):
     where = tmp_path_factory.mktemp("small-run")
     tokens = make_ioi_prompts(96, 5).clean_tokens
     np.save(where / "tokens.npy", tokens.numpy())
+    np.save(where / "held-out.npy", make_ioi_prompts(32, 77).clean_tokens.numpy())
     torch.save(tokens, where / "tokens.pt")
     save_file({"input_ids": tokens.int().contiguous(), "attention_mask": torch.ones_like(tokens)},
               str(where / "tokens.safetensors"))

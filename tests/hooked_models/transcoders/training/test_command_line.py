@@ -9,11 +9,12 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from hooked_models.__main__ import build_parser, main, training_config
-from hooked_models.transcoders import TrainingConfig, TranscoderSet, load_transcoders
+from hooked_models.transcoders import TrainingConfig, TranscoderSet, evaluate, load_transcoders
 
 ROOT = Path(__file__).parents[4]
 PROG = "python -m hooked_models train-transcoders"
@@ -48,11 +49,13 @@ def test_every_field_has_a_flag_and_the_flags_defaults_are_the_configs():
     assert training_config(parse("--tokens", "10000", "--batch-tokens", "512")).steps == 19
 
 
-def test_the_command_trains_what_the_api_trains_and_writes_what_load_transcoders_reads(small_run, capsys):
+def test_the_command_trains_what_the_api_trains_and_writes_what_load_transcoders_reads(small_run, arcee, capsys):
+    """From a .safetensors file of token windows (input_ids beside an attention mask); --eval-dataset's lines
+    are transcoders.evaluate's numbers on the held-out windows."""
     where, trained, flags = small_run
     out = where / "cli"
     assert main(["train-transcoders", "embedded", "--dataset", str(where / "tokens.safetensors"), "--out", str(out),
-                 *flags]) == 0
+                 "--eval-dataset", str(where / "held-out.npy"), *flags]) == 0
     loaded = load_transcoders(out)
     assert isinstance(loaded, TranscoderSet) and loaded.k == 8
     for (name, a), b in zip(trained.state_dict().items(), loaded.state_dict().values(), strict=True):
@@ -61,7 +64,12 @@ def test_the_command_trains_what_the_api_trains_and_writes_what_load_transcoders
     assert printed[0] == ("trained topk per-layer transcoders of width 32 on 1,536 tokens (12 steps of 128), "
                           "1 process (data); last batch:")
     assert [line.split(":")[0] for line in printed[1:3]] == ["  layer 0", "  layer 1"]
-    assert printed[3] == f"wrote {out}" and (out / "training.json").is_file() and (out / "training.png").is_file()
+    measured = evaluate(arcee, trained, np.load(where / "held-out.npy"), progress=False)
+    assert printed[3] == (f"held out (512 tokens): loss recovered {measured['loss_recovered']:.4g}, "
+                          f"loss gap {measured['loss_gap']:.4g}, KL {measured['kl_divergence']:.4g}")
+    assert printed[4:6] == [f"  layer {l}: FVU {measured['fvu'][l]:.4g}  L0 {measured['l0'][l]:.1f}  "
+                            f"dead {measured['dead_percent'][l]:.1f}%" for l in range(2)]
+    assert printed[6] == f"wrote {out}" and (out / "training.json").is_file() and (out / "training.png").is_file()
 
 
 def test_from_a_harvest_some_layers(small_run, arcee, capsys):
@@ -153,6 +161,9 @@ ERRORS = {
     "workers without ray": (lambda d, g: ["embedded", "--dataset", f"{d}/tokens.npy", "--workers", "2"],
                             ["--workers 2 needs --engine ray"]),
     "missing token file": (lambda d, g: ["embedded", "--dataset", f"{d}/missing.npy"], ["{d}/missing.npy"]),
+    "bad held-out windows": (lambda d, g: ["embedded", "--dataset", f"{d}/tokens.npy", "--eval-dataset",
+                                           f"{d}/tokens.pt/nothing"],
+                             ["--eval-dataset {d}/tokens.pt/nothing: dataset path", "is not a directory saved"]),
 }
 
 
