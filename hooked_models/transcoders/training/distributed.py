@@ -23,17 +23,28 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+def default_device() -> torch.device:
+    """Where a process trains unless told: its own GPU under torchrun on a machine with GPUs
+    (`cuda:LOCAL_RANK`), the GPU alone where there is one, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
 @contextlib.contextmanager
-def process_group(timeout_s: float = 600.0):
+def process_group(device: torch.device = torch.device("cpu"), timeout_s: float = 600.0):
     """The default process group: the one already set up (Ray Train, a caller), one from torchrun's
-    environment (kept for the process's life: a second training in the process reuses it, as re-creating
-    it on the same store can hang), or a group of one, destroyed on leaving."""
+    environment (nccl for processes training on GPUs, gloo on CPUs; kept for the process's life: a second
+    training in the process reuses it, as re-creating it on the same store can hang), or a group of one,
+    destroyed on leaving."""
     if dist.is_initialized():
         yield
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
         atexit.register(_destroy)
         yield
         return
@@ -75,8 +86,8 @@ def check_layout(kind: str, d_transcoder: int, world: int) -> None:
 class Layout:
     """Where this process stands: its rank, the process count, and how features and tokens are split."""
 
-    def __init__(self, kind: str, d_transcoder: int):
-        self.kind, self.rank, self.world = kind, dist.get_rank(), dist.get_world_size()
+    def __init__(self, kind: str, d_transcoder: int, device: torch.device = torch.device("cpu")):
+        self.kind, self.rank, self.world, self.device = kind, dist.get_rank(), dist.get_world_size(), device
         check_layout(kind, d_transcoder, self.world)
         self.d_transcoder = d_transcoder
         self.d_local = d_transcoder // self.world if kind == "features" else d_transcoder
@@ -149,8 +160,8 @@ class Layout:
         """Feature-sharded: the whole batch from every process's share of it (axis -2, in rank order)."""
         if not self.sharded:
             return x
-        sizes = [torch.zeros((), dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor(x.shape[-2]))
+        sizes = [torch.zeros((), dtype=torch.int64, device=x.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor(x.shape[-2], device=x.device))
         if len({int(s) for s in sizes}) != 1:
             raise ValueError(f"the processes' shares of a batch differ in size ({[int(s) for s in sizes]} tokens)")
         parts = [torch.empty_like(x) for _ in range(self.world)]

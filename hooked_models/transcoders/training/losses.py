@@ -41,7 +41,7 @@ def total_variance(y: Float[Tensor, "tokens d_out"], layout: Layout) -> Tensor:
     """Σ|y - ȳ|² over the global batch (float64 sums across processes; ȳ the global mean)."""
     y64 = y.detach().double()
     stats = layout.sum_tokens(torch.cat([y64.sum(0), (y64 ** 2).sum().reshape(1),
-                                         torch.tensor([float(y.shape[0])], dtype=torch.float64)]))
+                                         torch.tensor([float(y.shape[0])], dtype=torch.float64, device=y.device)]))
     total, squares, n = stats[:-2], stats[-2], stats[-1]
     return (squares - (total ** 2).sum() / n).to(y.dtype)
 

@@ -20,10 +20,13 @@ class Shard:
     def __init__(self, identity: ModelIdentity, config: TrainingConfig, layout: Layout):
         self.identity, self.config, self.layout = identity, config, layout
         self.modules = new_transcoders(identity, config, layout.features)
+        self.modules = {l: m.to(layout.device) for l, m in self.modules.items()} if isinstance(
+            self.modules, dict) else self.modules.to(layout.device)
         self.cross = isinstance(self.modules, CrossLayerTranscoder)
         self.layers = list(range(identity.num_layers)) if self.cross else list(self.modules)
         self.module = self.modules if self.cross else torch.nn.ModuleDict({str(l): m for l, m in self.modules.items()})
-        self.since_fired = {l: torch.zeros(layout.d_local, dtype=torch.int64) for l in self.layers}
+        self.since_fired = {l: torch.zeros(layout.d_local, dtype=torch.int64, device=layout.device)
+                            for l in self.layers}
 
     def _tc(self, l: int) -> Transcoder:
         return self.modules[l]

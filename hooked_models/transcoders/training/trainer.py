@@ -16,7 +16,7 @@ from hooked_models.transcoders.evaluation import evaluate
 from hooked_models.transcoders.identity import ModelIdentity
 from hooked_models.transcoders.training import checkpoints
 from hooked_models.transcoders.training.config import TrainingConfig
-from hooked_models.transcoders.training.distributed import Layout, process_group
+from hooked_models.transcoders.training.distributed import Layout, default_device, process_group
 from hooked_models.transcoders.training.objective import after_step, batch_loss
 from hooked_models.transcoders.training.report import write_report
 from hooked_models.transcoders.training.sources import HarvestReader, HarvestSource, StreamingSource
@@ -36,7 +36,7 @@ def train_transcoders(source, *, dataset=None, config: TrainingConfig = Training
                       checkpoint: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
                       progress: ProgressArg = None, context_size: int | None = None, column: str | None = None,
                       family: str | None = None, harvest_dir: str | os.PathLike | None = None, eval_dataset=None,
-                      dtype=None):
+                      dtype=None, device=None):
     """Transcoders trained to map each layer's `mlp_input` to its `mlp.mlp_output`: per layer (a
     `TranscoderSet`; `{layer: Transcoder}` with `config.layers`) or one `CrossLayerTranscoder`.
 
@@ -59,11 +59,20 @@ def train_transcoders(source, *, dataset=None, config: TrainingConfig = Training
       (`transcoders.evaluate`: FVU, L0, dead %, loss recovered, the replacement model's ΔCE and KL), written
       into training.json as "evaluation" (a result of some layers only is not evaluated).
 
+    device: where the transcoders train (and a model loaded from a path runs): default, a given model's
+      device, else this process's GPU under torchrun where there are GPUs (nccl between them), else the CPU
+      (gloo). The streaming buffer stays in host memory; each batch moves to the device.
+
     Runs in the default process group: the one set up already (Ray Train, torchrun's environment) or a group
     of one. Training works where the caller turned gradients off, and leaves that setting as it was.
     """
-    with process_group(), torch.enable_grad():
-        layout = Layout(config.layout, config.d_transcoder)
+    from hooked_models.model import HookedModel
+
+    if device is None:
+        device = next(source.parameters()).device if isinstance(source, HookedModel) else default_device()
+    device = torch.device(device)
+    with process_group(device), torch.enable_grad():
+        layout = Layout(config.layout, config.d_transcoder, device)
         identity, stream, job = _source(source, dataset, config, layout, context_size, column, family, harvest_dir,
                                         dtype)
         if eval_dataset is not None and (out is None or not isinstance(stream, StreamingSource)):
@@ -85,7 +94,7 @@ def _source(source, dataset, config, layout, context_size, column, family, harve
         if isinstance(source, HookedModel) and dtype is not None:
             raise ValueError(f"dtype={dtype} is for a model loaded from a path; this one is loaded (in "
                              f"{next(source.parameters()).dtype})")
-        model = source if isinstance(source, HookedModel) else load_model(source, family, dtype)
+        model = source if isinstance(source, HookedModel) else load_model(source, family, dtype, layout.device)
         identity = ModelIdentity.of(model)
         layers = _layers(identity, config)
         if harvest_dir is not None:
@@ -154,7 +163,7 @@ def _train(shard: Shard, stream, job: dict, config: TrainingConfig, layout: Layo
     with bar:
         for step in range(start, config.steps):
             x, y = stream.batch()
-            x, y = layout.gather_tokens(x), layout.gather_tokens(y)
+            x, y = layout.gather_tokens(x.to(layout.device)), layout.gather_tokens(y.to(layout.device))
             if step == 0:
                 _centre_biases(shard, x, y, layout, tokens)
             for group in optimizer.param_groups:
@@ -181,7 +190,9 @@ def _train(shard: Shard, stream, job: dict, config: TrainingConfig, layout: Layo
                "tokens": config.steps * tokens, "layers": shard.layers, "identity": job["identity"]}
         measured = None
         if evaluation is not None and not isinstance(result, dict):
-            measured = evaluate(evaluation[0], result, evaluation[1], progress=False)
+            model = evaluation[0]
+            measured = evaluate(model, result.to(next(model.parameters()).device), evaluation[1], progress=False)
+            result = result.cpu()
         write_report(out, result, config, curves, run, measured)
     if out is not None:
         layout.barrier()
@@ -192,9 +203,9 @@ def _cancelled(bar, layout: Layout) -> bool:
     """Whether any process's progress callable asked to stop at this step (all then stop together)."""
     try:
         bar.advance()
-        stop = torch.zeros((), dtype=torch.int32)
+        stop = torch.zeros((), dtype=torch.int32, device=layout.device)
     except Cancelled:
-        stop = torch.ones((), dtype=torch.int32)
+        stop = torch.ones((), dtype=torch.int32, device=layout.device)
     return bool(layout.sum_all(stop))
 
 
