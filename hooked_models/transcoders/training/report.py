@@ -46,12 +46,11 @@ def read_result(out: str | os.PathLike):
 
 def plot_curves(curves: list[dict], path: Path, names: list[int] | None = None) -> None:
     """Three panels against tokens seen: each layer's FVU (log scale), L0 and dead % (layers `names`)."""
-    import matplotlib
+    # A Figure without pyplot: no backend switched, no figure left open (a notebook keeps drawing inline).
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.6))
+    axes = fig.subplots(1, 3)
     tokens = [c["tokens"] for c in curves]
     names = names or list(range(len(curves[0]["fvu"]) if curves else 0))
     for key, ax, title in (("fvu", axes[0], "FVU (training batch)"), ("l0", axes[1], "L0"),
@@ -67,4 +66,3 @@ def plot_curves(curves: list[dict], path: Path, names: list[int] | None = None) 
         axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
