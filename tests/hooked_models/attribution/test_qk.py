@@ -186,6 +186,7 @@ def test_a_qk_request_outside_the_model_is_refused(tl_model_factory, make_untied
 @pytest.mark.parametrize("kwargs, message", [
     (dict(qk=[(0, 9, 1, 0)]), "head=9"),
     (dict(qk=[(0, 0, 1, 3)]), "key_pos=3 comes after query_pos=1"),
+    (dict(qk=[(0, 0, 1, 2)]), "key_pos=2 comes after query_pos=1"),  # the boundary: one past the query
     (dict(qk=[(0, 0, 8, 0)]), "query_pos=8"),
 ])
 def test_qk_entries_outside_the_model_are_refused(tl_model_factory, make_untied, kwargs, message):
