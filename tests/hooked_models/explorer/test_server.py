@@ -251,6 +251,23 @@ def test_a_sweep_over_its_bound_is_refused_before_it_runs(arcee, data_dir):
     assert TestClient(app).post("/api/patch", json={**PAIR, "value": "mlp_neurons"}).status_code == 200  # 2 x 256
 
 
+def test_a_sweep_of_exactly_its_bound_runs(arcee, data_dir):
+    # The boundary itself: mlp_neurons over its default axes is 2 x 256 = 512 patches; a bound of 512
+    # lets it run, a bound of 511 refuses it.
+    import dataclasses
+
+    app = create_app(arcee, [data_dir])
+    explorer, client = app.state.explorer, TestClient(app)
+    explorer.limits = dataclasses.replace(explorer.limits, patches=511)
+    answer = client.post("/api/patch", json={**PAIR, "value": "mlp_neurons"})
+    assert answer.status_code == 400
+    assert "is 512 patches, over the bound 511" in answer.json()["error"]
+    explorer.limits = dataclasses.replace(explorer.limits, patches=512)
+    answer = client.post("/api/patch", json={**PAIR, "value": "mlp_neurons"})
+    assert answer.status_code == 200
+    assert wait(client, answer.json())["state"] == "done"
+
+
 def test_a_sibling_whose_name_starts_with_the_data_directory_is_outside_it(client, data_dir):
     # data_evil/ beside data/: a string-prefix comparison of the paths would let it through
     evil = data_dir.parent / f"{data_dir.name}_evil"
