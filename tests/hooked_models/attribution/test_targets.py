@@ -56,6 +56,11 @@ def test_targets_named_by_strings_on_the_embedded_model(make_untied):
         attribute(model, prompt, tcs, targets=[" Mary John"], head_loadings=False)
     with pytest.raises(ValueError, match="direction of shape"):
         attribute(model, prompt, tcs, targets=[CustomTarget("short", torch.ones(3))], head_loadings=False)
+    # One node per token (its node_id is the token's): a token named twice, by id or by text, is refused.
+    mary = model.to_single_token(" Mary")
+    for twice in ([3, 3], [" Mary", mary]):
+        with pytest.raises(ValueError, match=rf"targets name token {twice[-1]} \(.*\) twice: give each token once"):
+            attribute(model, prompt, tcs, targets=twice, head_loadings=False)
 
 
 def test_progress_names_each_phase_and_cancelling_stops_with_no_hook_left(family_setup):
