@@ -3,6 +3,7 @@ key component) pairs sum to the model's own pre-softmax score for every head and
 equals the dot product of the two components' rotated, normed projections computed from transformers'
 weights and rotary; alpha-er's soft cap is reported beside the raw score; bad requests are refused."""
 
+import inspect
 import json
 
 import pytest
@@ -195,6 +196,20 @@ def test_qk_entries_outside_the_model_are_refused(tl_model_factory, make_untied,
     tokens = torch.randint(0, model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match=message):
         attribute(model, tokens, tcs, **kwargs)
+
+
+@pytest.mark.parametrize("qk", [-1, True, 2.5, "4"])
+def test_a_qk_that_is_neither_a_count_nor_entries_is_refused(tl_model_factory, make_untied, qk):
+    """-1 is not "all but the weakest", True is not 1, 2.5 is not a count: each a one-line error naming it.
+    Called unwrapped: the suite's runtime type checker would refuse 2.5 and "4" first, and a user
+    without it meets the library's own check."""
+    model = tl_model_factory("arcee")
+    tcs = make_untied(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError) as refused:
+        inspect.unwrap(attribute)(model, tokens, tcs, qk=qk)
+    assert str(refused.value) == (f"qk={qk!r} must be a number of entries (an integer >= 0) or a list of "
+                                  "(layer, head, query_pos, key_pos)")
 
 
 def test_qk_of_a_graph_without_its_decomposition_is_refused(tl_model_factory, make_untied):
