@@ -80,6 +80,48 @@ def test_the_replica_shares_the_weights_and_not_the_hooks(arcee):
     assert hooks_left(arcee) == 0
 
 
+def test_jobs_run_in_the_order_they_were_submitted():
+    """First in, first out: with one job holding the worker, three more queued run in their order."""
+    from hooked_models.explorer.jobs import Jobs
+
+    queue, release, ran = Jobs(torch.nn.Linear(2, 2)), threading.Event(), []
+    try:
+        first = queue.submit("hold", lambda model, job: release.wait(30))["job"]
+        wait_for(lambda: queue.get(first).state == "running", "the first job's start")
+        queued = [queue.submit(f"job {i}", lambda model, job, i=i: ran.append(i))["job"] for i in range(3)]
+        assert [queue.place(queue.get(j)) for j in queued] == [1, 2, 3]
+        release.set()
+        wait_for(lambda: all(queue.get(j).state == "done" for j in queued), "the queued jobs")
+        assert ran == [0, 1, 2]
+    finally:
+        release.set()
+        queue.shutdown()
+
+
+def test_a_cancelled_job_that_reports_no_step_keeps_no_result():
+    """A function that never reports cannot be stopped at a batch: cancelled while it runs, it runs to its
+    end, and its result is dropped: the job ends "cancelled", with no result."""
+    from hooked_models.explorer.jobs import Jobs
+
+    queue, cancelled = Jobs(torch.nn.Linear(2, 2)), threading.Event()
+
+    def silent(model, job):
+        cancelled.wait(30)
+        return {"answer": 42}
+
+    try:
+        job = queue.submit("silent", silent)["job"]
+        wait_for(lambda: queue.get(job).state == "running", "the job's start")
+        assert queue.cancel(job)["state"] == "running"  # asked; it stops when it can
+        cancelled.set()
+        wait_for(lambda: queue.get(job).state in ("done", "error", "cancelled"), "the job's end")
+        status = queue.status(job)
+        assert (status["state"], status["result"]) == ("cancelled", None)
+    finally:
+        cancelled.set()
+        queue.shutdown()
+
+
 @pytest.fixture
 def served(arcee):
     app = create_app(arcee)
