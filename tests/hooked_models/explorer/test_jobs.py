@@ -221,45 +221,51 @@ PAIR = {"clean": LONG, "corrupted": LONG[: -len("John gave a drink to")] + "Mary
         "wrong": " John", "method": "eap-ig", "steps": 1000}
 
 
-@pytest.fixture(scope="module")
-def one_job_seconds(arcee) -> float:
-    """How long one of the jobs below takes here, now (its edge attribution, run directly)."""
-    from hooked_models import circuits, patching
-
-    metric = patching.logit_diff_metric([arcee.to_single_token(" Mary")], [arcee.to_single_token(" John")])
-    began = time.perf_counter()
-    circuits.edge_attribution(arcee, arcee.to_tokens(PAIR["clean"]), arcee.to_tokens(PAIR["corrupted"]), metric,
-                              "eap-ig", PAIR["steps"])
-    return time.perf_counter() - began
+# The command line with its circuit jobs made endless: each runs the real EAP-IG (1000 steps on 61 positions)
+# over and over, reporting its steps, so that it ends only when cancelled.
+ENDLESS = """
+import runpy, sys
+from hooked_models import circuits
+once = circuits.edge_attribution
+def endless(*args, **kwargs):
+    while True:
+        once(*args, **kwargs)
+circuits.edge_attribution = endless
+sys.argv = ["hooked_models", "explore", "--port", sys.argv[1]]
+runpy.run_module("hooked_models", run_name="__main__", alter_sys=True)
+"""
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_the_command_line_stops_on_a_signal_with_a_job_running(stop, one_job_seconds):
-    # Three EAP-IG jobs of 1000 steps on 61 positions queued. The server stops at the signal, cancelling them:
-    # before the running one could have finished, let alone the queue (how long the stop took is
-    # benchmarks/explorer_load.py's figure, not an assertion).
+def test_the_command_line_stops_on_a_signal_with_a_job_running(stop):
+    # Eight jobs queued, the first running and none able to finish on its own: the server stops at the signal
+    # all the same (a stop that waited for the running job, or for the queue, would never come; the wait below
+    # is a hang guard, not a measure: how long the stop takes is benchmarks/explorer_load.py's figure).
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "hooked_models", "explore", "--port", str(port)], cwd=ROOT,
+    server = subprocess.Popen([sys.executable, "-c", ENDLESS, str(port)], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "explorer on http://127.0.0.1" in server.stdout.readline()
         url = f"http://127.0.0.1:{port}"
         jobs = [call(url, "/api/circuit", PAIR)["job"] for _ in range(8)]
-        wait_for(lambda: call(url, f"/api/jobs/{jobs[0]}")["state"] == "running", "the first job's start")
+        # the first job running, its steps under way: the signal comes mid-job
+        wait_for(lambda: (call(url, f"/api/jobs/{jobs[0]}")["done"] or 0) > 0, "the first job's first steps",
+                 rounds=2400)
+        assert [call(url, f"/api/jobs/{job}")["state"] for job in jobs] == ["running"] + ["queued"] * 7
         # a view in flight when the signal comes, as the page's requests are: it must not hold the stop up
         view = threading.Thread(target=call_fails, args=(url, "/api/prompt", {"prompt": PROMPT}), daemon=True)
         view.start()
         time.sleep(0.2)
-        began = time.perf_counter()
         server.send_signal(stop)
-        server.wait(timeout=120)  # a hang guard
-        stopped = time.perf_counter() - began
-        assert stopped < one_job_seconds, f"stopped after {stopped:.1f} s; one job takes {one_job_seconds:.1f} s"
+        try:
+            server.wait(timeout=120)  # a hang guard: the jobs never end by themselves
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the server did not stop on the signal: it waits for a job that never ends") from None
         assert all(call_fails(url, f"/api/jobs/{job}") for job in jobs)  # nothing answers: it has stopped
         assert server.returncode in (0, 130, -stop), server.stderr.read()
     finally:
