@@ -57,7 +57,8 @@ def test_bad_label_files_are_clear_errors(stats, tmp_path):
 
 
 BAD_ROWS = [
-    ("null.json", json.dumps([{"layer": 1, "feature": None, "label": "x"}]), r"entry 0: feature=None is not an integer"),
+    ("null.json", json.dumps([{"layer": 1, "feature": None, "label": "x"}]),
+     r"entry 0: feature=None is not an integer"),
     ("float.json", json.dumps([{"layer": 0, "feature": 1, "label": "a"}, {"layer": 1, "feature": 2.7, "label": "x"}]),
      r"entry 1: feature=2\.7 is not an integer"),
     ("true.json", json.dumps([{"layer": True, "feature": 1, "label": "x"}]), r"entry 0: layer=True is not an integer"),
