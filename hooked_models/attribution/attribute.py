@@ -11,7 +11,7 @@ costs one forward and (targets / batch_size) backward passes, never one pass per
 
 import functools
 import gc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from jaxtyping import Float, Int
@@ -25,7 +25,7 @@ from hooked_models.progress import ProgressArg, tracker
 
 
 def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
-                     batch_size, head_loadings) -> None:
+                     batch_size, head_loadings, qk) -> None:
     check_prompt(model, tokens, transcoders)
     if max_feature_nodes is not None and (isinstance(max_feature_nodes, bool) or not isinstance(max_feature_nodes, int)
                                           or max_feature_nodes < 1):
@@ -38,6 +38,12 @@ def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desi
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if head_loadings not in (True, False, "pruned", "all"):
         raise ValueError(f"head_loadings={head_loadings!r} must be 'pruned', 'all' or False")
+    # A count of entries (never a bool, which int accepts; never negative, which slicing would read as
+    # "all but the weakest") or the entries themselves.
+    counted = isinstance(qk, int) and not isinstance(qk, bool)
+    if (counted and qk < 0) or (not counted and (isinstance(qk, (str, bytes, bool)) or not isinstance(qk, Iterable))):
+        raise ValueError(f"qk={qk!r} must be a number of entries (an integer >= 0) or a list of "
+                         "(layer, head, query_pos, key_pos)")
 
 
 def _collector_paused(fn):
@@ -91,7 +97,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     """
     tokens = prompt_tokens(model, prompt)
     _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size,
-                     head_loadings)
+                     head_loadings, qk)
     state = Prompt(model, tokens, transcoders)
     if targets is None:
         outputs = salient_targets(model, state, desired_logit_prob, max_n_logits)

@@ -70,6 +70,10 @@ def resolve(model, spec, logits: Float[Tensor, "seq vocab"]) -> list[OutputTarge
             token = _token(model, item, vocab)
             direction = torch.full((vocab,), -1.0 / vocab)  # the logit minus the mean logit
             direction[token] += 1
+            if any(o.token == token for o in out):
+                # One node per token: its id is the token's (the graph file's too), and a list that names
+                # it twice ("Mary" and its id, say) is a slip, not a wish for a second, identical row.
+                raise ValueError(f"targets name token {token} ({_text(model, token)!r}) twice: give each token once")
             out.append(OutputTarget(_text(model, token), token, seq - 1, direction, float(probs[token])))
     return out
 

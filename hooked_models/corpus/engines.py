@@ -45,7 +45,10 @@ def pool_size(num_workers: int, units: int) -> int:
 def run(worker_cls, model, plan, items: list[dict], engine: str, num_workers: int) -> Iterator[dict]:
     """Each item through `worker_cls(model, plan)`, one item per call; yields each call's output row
     as it completes (in any order under Ray). The pool has `pool_size(num_workers, len(items))` actors:
-    a replica with no unit to take would load the model and idle."""
+    a replica with no unit to take would load the model and idle. No items (a resumed run with every
+    unit done): nothing runs, and no cluster is joined (Ray Data refuses an empty dataset)."""
+    if not items:
+        return
     if engine == "local":
         worker = worker_cls(model, plan)
         for item in items:

@@ -37,7 +37,9 @@ def heuristic_label(layer: LayerStatistics, feature: int, n: int = 2) -> str:
 
 
 def read_user_labels(path: str | os.PathLike) -> dict[tuple[int | None, int], str]:
-    """{(layer, feature): label} from a JSON or CSV file (see the module docstring)."""
+    """{(layer, feature): label} from a JSON or CSV file (see the module docstring). A layer left empty
+    (or null) is an SAE's, which has none; a feature that is not an integer, or a row without a label,
+    is a ValueError naming the row."""
     path = Path(path)
     if path.suffix.lower() == ".csv":
         with open(path, newline="") as f:
@@ -45,21 +47,38 @@ def read_user_labels(path: str | os.PathLike) -> dict[tuple[int | None, int], st
             missing = {"layer", "feature", "label"} - set(reader.fieldnames or [])
             if missing:
                 raise ValueError(f"{path} lacks the column(s) {sorted(missing)}: its header must be layer,feature,label")
-            rows = list(reader)
+            rows = [(f"line {reader.line_num}", row) for row in reader]
     else:
-        rows = json.loads(path.read_text())
-        if not isinstance(rows, list) or not all(isinstance(r, dict) and {"layer", "feature", "label"} <= set(r)
-                                                  for r in rows):
+        entries = json.loads(path.read_text())
+        if not isinstance(entries, list) or not all(isinstance(r, dict) and {"layer", "feature", "label"} <= set(r)
+                                                     for r in entries):
             raise ValueError(f"{path} must hold a list of {{\"layer\", \"feature\", \"label\"}} objects")
+        rows = [(f"entry {i}", row) for i, row in enumerate(entries)]
     out = {}
-    for i, row in enumerate(rows):
-        try:
-            layer = None if row["layer"] in (None, "") else int(row["layer"])
-            feature = int(row["feature"])
-        except ValueError:
-            raise ValueError(f"{path}, entry {i}: layer={row['layer']!r}, feature={row['feature']!r} are not integers") from None
-        out[(layer, feature)] = str(row["label"])
+    for where, row in rows:
+        layer = None if row["layer"] in (None, "") else _integer(row["layer"], "layer", f"{path}, {where}")
+        feature = _integer(row["feature"], "feature", f"{path}, {where}")
+        label = row["label"]
+        if not isinstance(label, str):  # a CSV row short of its label reads None, as JSON's null does
+            raise ValueError(f"{path}, {where}: the label of layer={layer}, feature={feature} is {label!r}, "
+                             "not a string")
+        out[(layer, feature)] = label
     return out
+
+
+def _integer(value, name: str, where: str) -> int:
+    """`value` as an integer: an int, an integral float (2.0) or a string of one ("2"); never a bool,
+    never rounded (2.7 is refused, not read as 2)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{where}: {name}={value!r} is not an integer")
 
 
 def labels(stats: FeatureStatistics, user: str | os.PathLike | dict | None = None) -> dict[tuple[int | None, int], tuple[str, str]]:

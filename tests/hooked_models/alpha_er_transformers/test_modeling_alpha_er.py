@@ -152,6 +152,24 @@ def test_right_padding_leaves_the_real_positions_as_unpadded(trio):
             model(tokens, attention_mask=mask.flip(-1))
 
 
+def test_a_row_of_padding_alone_attends_each_position_to_itself(trio):
+    """A batch row whose attention_mask is all zeros (no real key for any query): each query keeps itself,
+    so its pattern is the identity in every layer and head and its logits are finite; the other row is
+    its unpadded self bit for bit."""
+    reference, model, _ = trio(seed=13)
+    tokens = tokens_for(reference.cfg, 2, reference.cfg.block_size, seed=14)
+    mask = torch.ones_like(tokens)
+    mask[1] = 0
+    with torch.no_grad():
+        out = model(tokens, attention_mask=mask, output_attentions=True)
+        expected = reference(tokens)
+    assert torch.equal(out.logits[0], expected[0])
+    assert torch.isfinite(out.logits[1]).all()
+    eye = torch.eye(tokens.shape[1]).expand(reference.cfg.n_head, -1, -1)
+    for layer, pattern in enumerate(out.attentions):
+        assert torch.equal(pattern[1], eye), layer
+
+
 # --------------------------------------------------------------------------- attention implementations
 @pytest.fixture
 def saved(trio, tmp_path):

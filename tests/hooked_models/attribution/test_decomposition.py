@@ -20,7 +20,8 @@ def reads(model) -> list[str]:
     for l in range(model.cfg.num_layers):
         names += [f"layers.{l}.layer_input", f"layers.{l}.self_attn.attention_queries",
                   f"layers.{l}.self_attn.attention_keys", f"layers.{l}.self_attn.attention_head_outputs"]
-    return names + ["final_norm_input"] if "final_norm_input" in model.hook_dict else names
+    # The last layer's output too: a cross-layer transcoder's write to the last MLP is seen only there.
+    return names + [f"layers.{model.cfg.num_layers - 1}.layer_output"]
 
 
 def test_the_nodes_contributions_and_the_bias_sum_to_the_frozen_forward(family_setup):

@@ -3,6 +3,7 @@ key component) pairs sum to the model's own pre-softmax score for every head and
 equals the dot product of the two components' rotated, normed projections computed from transformers'
 weights and rotary; alpha-er's soft cap is reported beside the raw score; bad requests are refused."""
 
+import inspect
 import json
 
 import pytest
@@ -42,6 +43,8 @@ def test_the_pairs_sum_to_every_score(family, tl_model_factory, make_untied):
         # Every node kept: the other nodes carry nothing.
         assert float(pairs[-1].abs().sum() + pairs[:, -1].abs().sum()) <= 1e-5 * float(pairs.abs().sum())
         assert table.capped == pytest.approx(float(cache[capped[l]][0, h, q, k]), rel=1e-5, abs=1e-6)
+        # The model's own score is the raw one, before the cap (alpha-er's capped differs by more than this).
+        assert abs(table.model_score - truth) <= 1e-6 * abs(truth) + 1e-7, (l, h, q, k, table.model_score, truth)
         if cap:
             assert abs(table.capped) < abs(table.score) or table.score == 0
     strong = graph.qk(*max(entries, key=lambda e: graph.qk(*e).pairs().abs().max()))
@@ -82,12 +85,67 @@ def test_one_pair_is_the_dot_product_of_the_rotated_normed_projections(tiny_fact
         cos, sin = hf.model.rotary_emb(Q, torch.arange(seq)[None])
         Q, K = apply_rotary_pos_emb(Q, K, cos, sin)
         expected = float(Q[0, 0, q] @ K[0, 0, k]) * d**-0.5
-    i = table.names.index(f"layers.0.mlp.feature.{feature}@{q}")
-    j = table.names.index(f"layers.0.mlp.error@{k}")
+    query_name, key_name = f"layers.0.mlp.feature.{feature}@{q}", f"layers.0.mlp.error@{k}"
+    i, j = table.names.index(query_name), table.names.index(key_name)
     assert abs(expected) > 1e-3
     assert float(table.pairs()[i, j]) == pytest.approx(expected, rel=1e-5, abs=1e-7)
     # Not its mirror: the same components on the other sides make another number.
     assert float(table.pairs()[j, i]) != pytest.approx(expected, rel=1e-3)
+    # top() names the pair by its sides: the feature as the query, the error as the key.
+    (row,) = [r for r in table.top(len(table.names) ** 2) if (r["query"], r["key"]) == (query_name, key_name)]
+    assert row["value"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def node_values(graph, run):
+    """Each node's value in the graph's row order: features' pre-activations, outputs' (demeaned) logits."""
+    values = torch.full((graph.n_nodes,), float("nan"))
+    layer, pos, feature = graph.active_features.T
+    values[:graph.n_features] = run.pre[layer, pos, feature]
+    values[graph.logit_start:] = run.logits[-1, graph.logit_tokens]
+    return values
+
+
+def test_the_entries_chosen_are_those_of_largest_flow(tl_model_factory, make_untied, replacement):
+    """qk=n picks the n pattern entries of largest flow: for entry (L, h, q, k), the sum over the targets
+    of |what they move when head h's output at q gains pattern[h, q, k] x the value at k|, in the
+    replacement model of conftest.py (linear, so the move is the gradient's product). Query head h reads
+    key/value head h // groups (GQA: 4 query heads over 2), which a mapping h % groups gets wrong for
+    heads 1 and 2; each table's flow is the oracle's."""
+    model = tl_model_factory("arcee")
+    tcs = make_untied(model)
+    seq, n = 8, 6
+    tokens = torch.randint(0, model.cfg.vocab_size, (seq,), generator=torch.Generator().manual_seed(4))
+    graph = attribute(model, tokens, tcs, batch_size=16, head_loadings="all", qk=n)
+    oracle = replacement(model, tcs, tokens)
+    rows = (graph.adjacency_matrix != 0).any(1)  # the targets: every node with an edge into it
+    heads, kv_heads = model.cfg.n_heads, model.cfg.n_key_value_heads
+    assert heads // kv_heads == 2
+    base = node_values(graph, oracle.run())[rows]
+    flow = torch.zeros(model.cfg.num_layers, heads, seq, seq)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens[None], names_filter=lambda n: n.endswith("attention_values")
+                                        or n.endswith("attention_probabilities"))
+    for L in range(model.cfg.num_layers):
+        pattern = cache[f"layers.{L}.self_attn.attention_probabilities"][0]  # [head query key]
+        values = cache[f"layers.{L}.self_attn.attention_values"][0]  # [kv_head key head_dim]
+        for h in range(heads):
+            for q in range(seq):
+                for k in range(q + 1):
+                    def nudge(z, hook, h=h, q=q, k=k):
+                        z = z.clone()
+                        z[0, q, h] += pattern[h, q, k] * values[h // (heads // kv_heads), k]
+                        return z
+                    moved = node_values(graph, oracle.run(hooks=[(f"layers.{L}.self_attn.attention_head_outputs",
+                                                                  nudge)]))[rows] - base
+                    flow[L, h, q, k] = moved.abs().sum()
+    chosen = list(graph.qk_tables)
+    assert len(chosen) == n
+    for entry in chosen:
+        assert graph.qk_tables[entry].flow == pytest.approx(float(flow[entry]), rel=1e-4), entry
+    others = torch.ones_like(flow, dtype=torch.bool)
+    for entry in chosen:
+        others[entry] = False
+    assert min(float(flow[e]) for e in chosen) >= float(flow[others].max()) * (1 - 1e-4)
 
 
 def test_the_graph_file_carries_the_tables_the_viewer_ignores(tl_model_factory, make_untied, tmp_path):
@@ -129,6 +187,7 @@ def test_a_qk_request_outside_the_model_is_refused(tl_model_factory, make_untied
 @pytest.mark.parametrize("kwargs, message", [
     (dict(qk=[(0, 9, 1, 0)]), "head=9"),
     (dict(qk=[(0, 0, 1, 3)]), "key_pos=3 comes after query_pos=1"),
+    (dict(qk=[(0, 0, 1, 2)]), "key_pos=2 comes after query_pos=1"),  # the boundary: one past the query
     (dict(qk=[(0, 0, 8, 0)]), "query_pos=8"),
 ])
 def test_qk_entries_outside_the_model_are_refused(tl_model_factory, make_untied, kwargs, message):
@@ -137,6 +196,20 @@ def test_qk_entries_outside_the_model_are_refused(tl_model_factory, make_untied,
     tokens = torch.randint(0, model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match=message):
         attribute(model, tokens, tcs, **kwargs)
+
+
+@pytest.mark.parametrize("qk", [-1, True, 2.5, "4"])
+def test_a_qk_that_is_neither_a_count_nor_entries_is_refused(tl_model_factory, make_untied, qk):
+    """-1 is not "all but the weakest", True is not 1, 2.5 is not a count: each a one-line error naming it.
+    Called unwrapped: the suite's runtime type checker would refuse 2.5 and "4" first, and a user
+    without it meets the library's own check."""
+    model = tl_model_factory("arcee")
+    tcs = make_untied(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError) as refused:
+        inspect.unwrap(attribute)(model, tokens, tcs, qk=qk)
+    assert str(refused.value) == (f"qk={qk!r} must be a number of entries (an integer >= 0) or a list of "
+                                  "(layer, head, query_pos, key_pos)")
 
 
 def test_qk_of_a_graph_without_its_decomposition_is_refused(tl_model_factory, make_untied):

@@ -11,27 +11,33 @@ from hooked_models.progress import Cancelled
 
 def test_a_logit_difference_is_the_difference_of_the_two_rows_and_every_target_is_complete(family_setup,
                                                                                             replacement):
-    """Targets [a, b, (a, b), a direction at position 3]: the difference's row is row a less row b (1e-5
-    of the rows); each output's value (its direction . the logits at its position, in the replacement
+    """Targets [a, b, (a, b), a direction at position 3, another at the default position (the last)]: the
+    difference's row is row a less row b (1e-5 of the rows); a token's weight is its probability at the
+    last position; each output's value (its direction . the logits at its position, in the replacement
     model) is the sum of its row plus its bias (every node zero), within 1e-5 of the terms."""
     model, tcs, tokens = family_setup
     vocab = model.cfg.vocab_size
     direction = torch.randn(vocab, generator=torch.Generator().manual_seed(7))
+    last = torch.randn(vocab, generator=torch.Generator().manual_seed(8))
     a, b = 3, 11
-    graph = attribute(model, tokens, tcs, targets=[a, b, (a, b), CustomTarget("d", direction, pos=3, weight=0.5)],
-                      head_loadings=False, batch_size=8)
-    assert graph.n_logits == 4 and graph.logit_tokens.tolist() == [a, b, -1, -2]
+    graph = attribute(model, tokens, tcs, targets=[a, b, (a, b), CustomTarget("d", direction, pos=3, weight=0.5),
+                                                   CustomTarget("last", last)], head_loadings=False, batch_size=8)
+    assert graph.n_logits == 5 and graph.logit_tokens.tolist() == [a, b, -1, -2, -3]
     rows = graph.adjacency_matrix[graph.logit_start:]
     scale = float(rows[:2].abs().max())
     assert (rows[2] - (rows[0] - rows[1])).abs().max() <= 1e-5 * scale
     assert graph.node_position(graph.logit_start + 3) == (graph.n_layers, 3)
-    assert graph.logit_probabilities.tolist()[2:] == [1.0, 0.5]
+    assert graph.node_position(graph.logit_start + 4) == (graph.n_layers, len(tokens) - 1)  # pos=-1: the last
+    assert graph.logit_probabilities.tolist()[2:] == [1.0, 0.5, 1.0]
+    with torch.no_grad():
+        probabilities = torch.softmax(model(tokens[None])[0, -1].double(), -1)
+    assert graph.logit_probabilities[:2].tolist() == pytest.approx(probabilities[[a, b]].tolist(), rel=1e-5)
 
     oracle = replacement(model, tcs, tokens)
     clean, zero = oracle.run(), oracle.run(zero_sources=True)
     one_hot = torch.eye(vocab)
     directions = [(one_hot[a] - 1 / vocab, -1), (one_hot[b] - 1 / vocab, -1), (one_hot[a] - one_hot[b], -1),
-                  (direction, 3)]
+                  (direction, 3), (last, -1)]
     for k, (d, pos) in enumerate(directions):
         value, bias = float(d @ clean.raw[pos]), float(d @ zero.raw[pos])
         gap = abs(value - float(rows[k].sum()) - bias) / (float(rows[k].abs().sum()) + abs(bias))
@@ -50,6 +56,11 @@ def test_targets_named_by_strings_on_the_embedded_model(make_untied):
         attribute(model, prompt, tcs, targets=[" Mary John"], head_loadings=False)
     with pytest.raises(ValueError, match="direction of shape"):
         attribute(model, prompt, tcs, targets=[CustomTarget("short", torch.ones(3))], head_loadings=False)
+    # One node per token (its node_id is the token's): a token named twice, by id or by text, is refused.
+    mary = model.to_single_token(" Mary")
+    for twice in ([3, 3], [" Mary", mary]):
+        with pytest.raises(ValueError, match=rf"targets name token {twice[-1]} \(.*\) twice: give each token once"):
+            attribute(model, prompt, tcs, targets=twice, head_loadings=False)
 
 
 def test_progress_names_each_phase_and_cancelling_stops_with_no_hook_left(family_setup):

@@ -80,6 +80,48 @@ def test_the_replica_shares_the_weights_and_not_the_hooks(arcee):
     assert hooks_left(arcee) == 0
 
 
+def test_jobs_run_in_the_order_they_were_submitted():
+    """First in, first out: with one job holding the worker, three more queued run in their order."""
+    from hooked_models.explorer.jobs import Jobs
+
+    queue, release, ran = Jobs(torch.nn.Linear(2, 2)), threading.Event(), []
+    try:
+        first = queue.submit("hold", lambda model, job: release.wait(30))["job"]
+        wait_for(lambda: queue.get(first).state == "running", "the first job's start")
+        queued = [queue.submit(f"job {i}", lambda model, job, i=i: ran.append(i))["job"] for i in range(3)]
+        assert [queue.place(queue.get(j)) for j in queued] == [1, 2, 3]
+        release.set()
+        wait_for(lambda: all(queue.get(j).state == "done" for j in queued), "the queued jobs")
+        assert ran == [0, 1, 2]
+    finally:
+        release.set()
+        queue.shutdown()
+
+
+def test_a_cancelled_job_that_reports_no_step_keeps_no_result():
+    """A function that never reports cannot be stopped at a batch: cancelled while it runs, it runs to its
+    end, and its result is dropped: the job ends "cancelled", with no result."""
+    from hooked_models.explorer.jobs import Jobs
+
+    queue, cancelled = Jobs(torch.nn.Linear(2, 2)), threading.Event()
+
+    def silent(model, job):
+        cancelled.wait(30)
+        return {"answer": 42}
+
+    try:
+        job = queue.submit("silent", silent)["job"]
+        wait_for(lambda: queue.get(job).state == "running", "the job's start")
+        assert queue.cancel(job)["state"] == "running"  # asked; it stops when it can
+        cancelled.set()
+        wait_for(lambda: queue.get(job).state in ("done", "error", "cancelled"), "the job's end")
+        status = queue.status(job)
+        assert (status["state"], status["result"]) == ("cancelled", None)
+    finally:
+        cancelled.set()
+        queue.shutdown()
+
+
 @pytest.fixture
 def served(arcee):
     app = create_app(arcee)
@@ -179,45 +221,51 @@ PAIR = {"clean": LONG, "corrupted": LONG[: -len("John gave a drink to")] + "Mary
         "wrong": " John", "method": "eap-ig", "steps": 1000}
 
 
-@pytest.fixture(scope="module")
-def one_job_seconds(arcee) -> float:
-    """How long one of the jobs below takes here, now (its edge attribution, run directly)."""
-    from hooked_models import circuits, patching
-
-    metric = patching.logit_diff_metric([arcee.to_single_token(" Mary")], [arcee.to_single_token(" John")])
-    began = time.perf_counter()
-    circuits.edge_attribution(arcee, arcee.to_tokens(PAIR["clean"]), arcee.to_tokens(PAIR["corrupted"]), metric,
-                              "eap-ig", PAIR["steps"])
-    return time.perf_counter() - began
+# The command line with its circuit jobs made endless: each runs the real EAP-IG (1000 steps on 61 positions)
+# over and over, reporting its steps, so that it ends only when cancelled.
+ENDLESS = """
+import runpy, sys
+from hooked_models import circuits
+once = circuits.edge_attribution
+def endless(*args, **kwargs):
+    while True:
+        once(*args, **kwargs)
+circuits.edge_attribution = endless
+sys.argv = ["hooked_models", "explore", "--port", sys.argv[1]]
+runpy.run_module("hooked_models", run_name="__main__", alter_sys=True)
+"""
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_the_command_line_stops_on_a_signal_with_a_job_running(stop, one_job_seconds):
-    # Three EAP-IG jobs of 1000 steps on 61 positions queued. The server stops at the signal, cancelling them:
-    # before the running one could have finished, let alone the queue (how long the stop took is
-    # benchmarks/explorer_load.py's figure, not an assertion).
+def test_the_command_line_stops_on_a_signal_with_a_job_running(stop):
+    # Eight jobs queued, the first running and none able to finish on its own: the server stops at the signal
+    # all the same (a stop that waited for the running job, or for the queue, would never come; the wait below
+    # is a hang guard, not a measure: how long the stop takes is benchmarks/explorer_load.py's figure).
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "hooked_models", "explore", "--port", str(port)], cwd=ROOT,
+    server = subprocess.Popen([sys.executable, "-c", ENDLESS, str(port)], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "explorer on http://127.0.0.1" in server.stdout.readline()
         url = f"http://127.0.0.1:{port}"
         jobs = [call(url, "/api/circuit", PAIR)["job"] for _ in range(8)]
-        wait_for(lambda: call(url, f"/api/jobs/{jobs[0]}")["state"] == "running", "the first job's start")
+        # the first job running, its steps under way: the signal comes mid-job
+        wait_for(lambda: (call(url, f"/api/jobs/{jobs[0]}")["done"] or 0) > 0, "the first job's first steps",
+                 rounds=2400)
+        assert [call(url, f"/api/jobs/{job}")["state"] for job in jobs] == ["running"] + ["queued"] * 7
         # a view in flight when the signal comes, as the page's requests are: it must not hold the stop up
         view = threading.Thread(target=call_fails, args=(url, "/api/prompt", {"prompt": PROMPT}), daemon=True)
         view.start()
         time.sleep(0.2)
-        began = time.perf_counter()
         server.send_signal(stop)
-        server.wait(timeout=120)  # a hang guard
-        stopped = time.perf_counter() - began
-        assert stopped < one_job_seconds, f"stopped after {stopped:.1f} s; one job takes {one_job_seconds:.1f} s"
+        try:
+            server.wait(timeout=120)  # a hang guard: the jobs never end by themselves
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the server did not stop on the signal: it waits for a job that never ends") from None
         assert all(call_fails(url, f"/api/jobs/{job}") for job in jobs)  # nothing answers: it has stopped
         assert server.returncode in (0, 130, -stop), server.stderr.read()
     finally:

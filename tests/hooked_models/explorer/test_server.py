@@ -73,6 +73,26 @@ def test_prompt_equals_the_library(family, request, client, alpha_client):
     assert answer["lens_ranks"] == lens.readout.target_ranks[:, 0, :, 0].tolist()
 
 
+def test_alpha_er_reads_a_short_prompt_padded_after_its_text(alpha_client, alpha_er):
+    """alpha-er computes at multiples of its experts only: "When Mary" (3 tokens) is padded to its window.
+    The oracle: the text's positions read nothing after them (causal attention), so the model on the text
+    followed by any filler gives their logits; the prompt view's tokens, top tokens and answer at those
+    positions are those, whatever the filler (padding before the text would move them)."""
+    answer = alpha_client.post("/api/prompt", json={"prompt": "When Mary"}).json()
+    tokens = alpha_er.to_tokens("When Mary")  # BOS first
+    real, window = tokens.shape[1], len(answer["tokens"])
+    assert (real, window) == (3, 16) and answer["real"] == real
+    for filler in (0, 5):
+        with torch.no_grad():
+            probs = alpha_er(torch.cat([tokens, torch.full((1, window - real), filler)], 1))[0, :real].softmax(-1)
+        top = probs.topk(5, dim=-1)
+        assert [[g["id"] for g in row] for row in answer["top"][:real]] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([[g["prob"] for g in row] for row in answer["top"][:real]]),
+                                   top.values, rtol=1e-5, atol=1e-7)
+        assert answer["answer_id"] == int(top.indices[real - 1, 0])
+    assert answer["tokens"][:real] == alpha_er.to_str_tokens(tokens[0])
+
+
 def test_attention_equals_the_cache(client, alpha_client, arcee, alpha_er):
     answer = client.post("/api/attention", json={"prompt": PROMPT}).json()
     _, cache = arcee.run_with_cache(PROMPT)
@@ -249,6 +269,23 @@ def test_a_sweep_over_its_bound_is_refused_before_it_runs(arcee, data_dir):
                                       "over the bound 4096: sweep fewer axes")
     assert explorer.queue.jobs == {}
     assert TestClient(app).post("/api/patch", json={**PAIR, "value": "mlp_neurons"}).status_code == 200  # 2 x 256
+
+
+def test_a_sweep_of_exactly_its_bound_runs(arcee, data_dir):
+    # The boundary itself: mlp_neurons over its default axes is 2 x 256 = 512 patches; a bound of 512
+    # lets it run, a bound of 511 refuses it.
+    import dataclasses
+
+    app = create_app(arcee, [data_dir])
+    explorer, client = app.state.explorer, TestClient(app)
+    explorer.limits = dataclasses.replace(explorer.limits, patches=511)
+    answer = client.post("/api/patch", json={**PAIR, "value": "mlp_neurons"})
+    assert answer.status_code == 400
+    assert "is 512 patches, over the bound 511" in answer.json()["error"]
+    explorer.limits = dataclasses.replace(explorer.limits, patches=512)
+    answer = client.post("/api/patch", json={**PAIR, "value": "mlp_neurons"})
+    assert answer.status_code == 200
+    assert wait(client, answer.json())["state"] == "done"
 
 
 def test_a_sibling_whose_name_starts_with_the_data_directory_is_outside_it(client, data_dir):

@@ -79,6 +79,38 @@ def test_feature_files_validate_against_circuit_tracers_model(labelled_graph):
     assert data["act_max"] == float(layer.partial.act_max[feature])
 
 
+def test_quantile_values_are_the_percentiles_of_the_activations(arcee, data_dir, sae):
+    """`quantile_values[q - 1]` (q = 1 ... 100): the upper edge of the histogram bin holding the q-th
+    percentile of the feature's positive activations (the ceil(q n / 100)-th smallest of n), from the
+    harvest's activations themselves, lowest percentile first."""
+    import math
+
+    import numpy as np
+
+    from hooked_models.features.circuit_tracer_files import feature_file
+
+    from .test_neuronpedia import activations
+
+    bins = 16
+    stats = features.statistics(data_dir / "acts", sae, model=arcee, k=3, radius=2, bins=bins, progress=False)
+    acts = activations(data_dir, sae, 1, layered=False)
+    (layer,), checked = stats.layers, 0
+    for f in range(layer.d_sae):
+        positive = np.sort(acts[..., f][acts[..., f] > 0].double().numpy())
+        data = feature_file(layer, f)
+        if not len(positive):
+            assert data["quantile_values"] == []
+            continue
+        top = 2.0 ** int(np.frexp(positive[-1])[1])  # the histogram's range [0, 2^e), max = m 2^e, m in [0.5, 1)
+        expected = []
+        for q in range(1, 101):
+            value = positive[math.ceil(q * len(positive) / 100) - 1]
+            expected.append((math.floor(value * bins / top) + 1) * top / bins)
+        assert data["quantile_values"] == expected, f
+        checked += len(set(expected)) > 1  # percentiles in more than one bin: an order to get wrong
+    assert checked > 4
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

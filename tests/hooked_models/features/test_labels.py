@@ -2,6 +2,7 @@
 (CSV and JSON) winning over it, and bad label files as clear errors."""
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -53,3 +54,33 @@ def test_bad_label_files_are_clear_errors(stats, tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"layer": 1}))
     with pytest.raises(ValueError, match="must hold a list"):
         labels(stats, tmp_path / "c.json")
+
+
+BAD_ROWS = [
+    ("null.json", json.dumps([{"layer": 1, "feature": None, "label": "x"}]),
+     r"entry 0: feature=None is not an integer"),
+    ("float.json", json.dumps([{"layer": 0, "feature": 1, "label": "a"}, {"layer": 1, "feature": 2.7, "label": "x"}]),
+     r"entry 1: feature=2\.7 is not an integer"),
+    ("true.json", json.dumps([{"layer": True, "feature": 1, "label": "x"}]), r"entry 0: layer=True is not an integer"),
+    ("nolabel.json", json.dumps([{"layer": 1, "feature": 2, "label": None}]),
+     r"entry 0: the label of layer=1, feature=2 is None, not a string"),
+    ("short.csv", "layer,feature,label\n1,3,names\n0,7\n", r"line 3: the label of layer=0, feature=7 is None"),
+    ("float.csv", "layer,feature,label\n1,2.7,x\n", r"line 2: feature='2\.7' is not an integer"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", BAD_ROWS, ids=[row[0] for row in BAD_ROWS])
+def test_a_bad_row_is_an_error_naming_it(stats, tmp_path, name, text, message):
+    """A JSON null feature (was a TypeError), 2.7 (was read as 2), a bool, a row without a label (was
+    the label "None"): each a one-line ValueError naming the file and the row."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / name))}, {message}"):
+        labels(stats, tmp_path / name)
+
+
+def test_integral_numbers_and_an_empty_layer_are_read(tmp_path):
+    from hooked_models.features.labels import read_user_labels
+
+    (tmp_path / "ok.json").write_text(json.dumps([{"layer": 1.0, "feature": "3", "label": ""},
+                                                  {"layer": None, "feature": 4, "label": "sae"}]))
+    assert read_user_labels(tmp_path / "ok.json") == {(1, 3): "", (None, 4): "sae"}

@@ -38,6 +38,20 @@ FIELDS = {  # transcribed from SAEDashboard's neuronpedia_export.py
 }
 
 
+def activations(data_dir, source, layer, layered):
+    """The feature activations [row seq d_sae] the statistics saw: the harvest's column through the SAE
+    (or layer's transcoder), in the statistics' batches of 32 rows (so the same floats)."""
+    import datasets
+    import numpy as np
+    import torch
+
+    column = f"layers.{layer}.mlp_input" if layered else "layers.1.layer_output"
+    x = torch.from_numpy(np.stack(datasets.load_from_disk(str(data_dir / "acts")).with_format("numpy")[column]))
+    encode = (lambda v: source.encode(layer, v)) if layered else source.encode
+    with torch.no_grad():
+        return torch.cat([encode(x[i:i + 32]).float() for i in range(0, len(x), 32)])
+
+
 def rows(path):
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     return [json.loads(line) for line in data.splitlines()]
@@ -52,6 +66,9 @@ def test_the_layout_is_saedashboards_field_by_field(arcee, data_dir, sae, transc
     assert [d.relative_to(tmp_path).as_posix() for d in dirs] == (
         ["hooked-arcee/0-tc", "hooked-arcee/1-tc"] if layered else ["hooked-arcee/1-res-sae"])
     for d, layer in zip(dirs, stats.layers):
+        decoder = (source[layer.layer] if layered else source).W_dec.detach()
+        logits = decoder @ arcee.W_U  # [d_sae vocab]: what each feature writes, through the unembedding
+        fired = activations(data_dir, source, layer.layer, layered)
         files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
         assert files == ["activations/batch-0.jsonl.gz", "features/batch-0.jsonl.gz", "model.jsonl", "release.jsonl",
                          "source.jsonl", "sourceset.jsonl"]
@@ -64,6 +81,10 @@ def test_the_layout_is_saedashboards_field_by_field(arcee, data_dir, sae, transc
         for f, row in enumerate(feats):
             assert row["index"] == f and row["layer"] == d.name
             assert row["pos_str"] == arcee.to_str_tokens(layer.top_logits[f]) and len(row["neg_values"]) == 10
+            # the top and bottom logits' values: the largest and the smallest, each on its side
+            assert row["pos_values"] == pytest.approx(logits[f].topk(10).values.tolist(), rel=1e-5, abs=1e-6)
+            assert row["neg_values"] == pytest.approx(logits[f].topk(10, largest=False).values.tolist(),
+                                                      rel=1e-5, abs=1e-6)
             assert row["frac_nonzero"] == int(layer.partial.active[f]) / layer.partial.tokens
             assert sum(row["freq_hist_data_bar_heights"]) == int(layer.partial.active[f])
             mine = [a for a in acts if a["index"] == f]
@@ -74,3 +95,10 @@ def test_the_layout_is_saedashboards_field_by_field(arcee, data_dir, sae, transc
             assert len(mine) - len(top) == sampled
             for a in mine:
                 assert a["values"][a["qualifyingTokenIndex"]] > 0 and a["maxValue"] == max(a["values"])
+            # a sampled window's binContains: the share of the feature's active tokens in its interval
+            a_f = fired[..., f]
+            for a in mine:
+                if a["binMin"] != -1:
+                    inside = int(((a_f > 0) & (a_f >= a["binMin"]) & (a_f < a["binMax"])).sum())
+                    assert a["binContains"] == inside / int((a_f > 0).sum()), (f, a["binMin"])
+            assert any(0 < a["binContains"] < 1 for a in mine if a["binMin"] != -1) or not sampled

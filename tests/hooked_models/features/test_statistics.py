@@ -178,6 +178,46 @@ def test_a_cancelled_run_finishes_on_rerun_with_the_uninterrupted_result(arcee, 
     assert features.statistics(data_dir / "acts", sae, out=out, **options).job == whole.job  # a finished one loads
 
 
+def test_a_run_whose_shards_finished_out_of_order_resumes_with_the_uninterrupted_result(arcee, data_dir, sae,
+                                                                                        tmp_path, monkeypatch):
+    """Ray hands shards back in any order, so a checkpoint's finished shards need not be the first ones: an
+    engine that runs them last first is cancelled after three (shards 7 and 6 checkpointed, 5 not), and
+    the rerun runs the other six, each once: the uninterrupted result bit for bit."""
+    from safetensors import safe_open
+
+    import importlib
+
+    from hooked_models.corpus import engines
+
+    module = importlib.import_module("hooked_models.features.statistics")  # the package names the function so
+
+    options = dict(model=arcee, k=3, radius=2, batch_size=4, shard_size=8, progress=False)  # 8 shards of 8 rows
+    whole = features.statistics(data_dir / "acts", sae, **options)
+    shard_tokens = 8 * 16
+
+    def last_first(worker_cls, model, plan, items, engine, num_workers):
+        return engines.run(worker_cls, model, plan, items[::-1], "local", 1)
+
+    def stop_after_three(step):
+        if step.done >= 3 * shard_tokens:
+            raise Cancelled("stopped")
+
+    out = tmp_path / "stats"
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "run", last_first)
+        with pytest.raises(Cancelled):
+            features.statistics(data_dir / "acts", sae, out=out, engine="ray",
+                                **{**options, "progress": stop_after_three})
+    with safe_open(str(out / "checkpoint.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["done"]) == [6, 7]
+    resumed = []
+    again = features.statistics(data_dir / "acts", sae, out=out, **{**options, "progress": resumed.append})
+    assert resumed[0].done == 2 * shard_tokens and resumed[-1].done == 64 * 16
+    for a, b in zip(whole.layers[0].partial.tensors().values(), again.layers[0].partial.tensors().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 def test_through_the_model_equals_over_its_harvest(arcee, data_dir, sae, tmp_path):
     import datasets
 

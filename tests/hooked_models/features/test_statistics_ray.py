@@ -71,6 +71,34 @@ def test_ray_equals_local_and_a_killed_worker_is_redone(ray_cluster, arcee, data
     assert same(local, again)
 
 
+def test_ray_finishes_a_run_whose_checkpoint_holds_every_shard(ray_cluster, arcee, data_dir, sae, tmp_path,
+                                                                monkeypatch):
+    """Killed after its last checkpoint, before its result was saved: the rerun has no shard left to give
+    Ray, and finishes from the checkpoint alone (as the local engine does), the uninterrupted result."""
+    import importlib
+
+    from safetensors import safe_open
+
+    module = importlib.import_module("hooked_models.features.statistics")
+    options = dict(model=arcee, k=3, radius=2, batch_size=4, shard_size=8, progress=False)  # 8 shards
+    local = features.statistics(data_dir / "acts", sae, **options)
+    out = tmp_path / "stats"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the result was saved")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "_finish", killed)
+        with pytest.raises(KeyboardInterrupt):
+            features.statistics(data_dir / "acts", sae, out=out, **options)
+    with safe_open(str(out / "checkpoint.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["done"]) == list(range(8))
+    assert not (out / "statistics.json").exists()
+    again = features.statistics(data_dir / "acts", sae, engine="ray", num_workers=2, out=out, **options)
+    assert same(local, again)
+    assert (out / "statistics.json").exists() and not (out / "checkpoint.safetensors").exists()
+
+
 def _cmdline(process) -> list[str]:
     try:
         return process.cmdline()
