@@ -72,19 +72,19 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     """The attribution graph of `prompt` (text or token ids) through `transcoders` (a TranscoderSet or
     CrossLayerTranscoder trained for `model`): see the module docstring.
 
-    `targets`: the output nodes (hooked_models/attribution/targets.py: token ids or strings, (a, b) logit
-    differences, `CustomTarget`s); None: the most probable next tokens up to `desired_logit_prob`, at
-    most `max_n_logits` (circuit-tracer's salient logits). `max_feature_nodes`: compute the rows of at
-    most this many features, chosen as circuit-tracer chooses them (by their influence on the outputs,
-    estimated from the rows computed so far, in batches); the others are not nodes. `batch_size`:
-    targets per backward pass (the gradients of that many held at once).
+    `targets`: the output nodes (hooked_models/attribution/targets.py: token ids or strings, each token
+    once, (a, b) logit differences, `CustomTarget`s); None: the most probable next tokens up to
+    `desired_logit_prob`, at most `max_n_logits` (circuit-tracer's salient logits). `max_feature_nodes`:
+    compute the rows of at most this many features, chosen as circuit-tracer chooses them (by their
+    influence on the outputs, estimated from the rows computed so far, in batches); the others are not
+    nodes. `batch_size`: targets per backward pass (the gradients of that many held at once).
 
     `head_loadings`: split edges over each attention layer's heads (hooked_models/attribution/heads.py):
     "pruned" (the edges `prune(node_threshold, edge_threshold)` keeps), "all" or True (every edge: for
     small graphs) or False.
-    `qk`: with head loadings, the QK attributions of this many pattern entries (those the kept targets
-    read through most, hooked_models/attribution/qk.py), or of the (layer, head, query_pos, key_pos)
-    entries listed; 0: none. Both read one forward decomposition of the kept sources.
+    `qk`: with head loadings, the QK attributions of this many pattern entries (an integer >= 0: those the
+    kept targets read through most, hooked_models/attribution/qk.py), or of the (layer, head, query_pos,
+    key_pos) entries listed; 0: none. Both read one forward decomposition of the kept sources.
 
     `progress`: hooked_models/progress.py's `progress=` (phases "logits", "features", "gradients",
     "decomposition"); a callable raising `Cancelled` stops the run at a batch, the model's hooks removed.
