@@ -222,7 +222,8 @@ def summary_table() -> str:
     rows = []
     commands = {n: load(n)["command"] for n in ("forward", "forward_overhead", "patching_size_8", "patching_size_32",
                                                  "patching_arcee", "patching_alpha-er", "generate", "circuits",
-                                                 "load_4_5b", "corpus", "attribution", "attribution_afm")}
+                                                 "load_4_5b", "corpus", "attribution", "attribution_afm",
+                                                 "train_transcoders_afm", "train_transcoders_afm_sharded")}
     s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
     cr, co = circuit_ranges(), corpus()
@@ -260,6 +261,12 @@ def summary_table() -> str:
          f"{afm_attribution()['ratio']:.3f}"),
         (commands["attribution"], "`attribute`, 8 x 1024 Arcee, every feature of 16 tokens: peak above the model "
          "/ the model's RSS", f"{all_features_16()['peak_increase_bytes'] / all_features_16()['rss_before_bytes']:.3f}"),
+        (commands["train_transcoders_afm"], "streamed training of one layer's 8,192-wide TopK transcoder at "
+         "AFM-4.5B's shape: peak RSS / (checkpoint + parameters + Adam)", f"{afm_training()['ratio']:.3f}"),
+        (commands["train_transcoders_afm_sharded"], "36-layer cross-layer transcoder, features over 2 processes: "
+         "each process's parameters / the whole", ", ".join(f"{s['parameter_bytes'] / sharded_whole():.4f}"
+                                                            for s in load("train_transcoders_afm_sharded")
+                                                            ["figures"]["shards"])),
     ]
     lines = ["| command | comparison | ratio |", "|---|---|---:|"]
     lines += [f"| {f'`{cmd}`' if cmd else ''} | {what} | {ratio} |" for cmd, what, ratio in rows]
@@ -615,6 +622,177 @@ def which_tool_costs() -> str:
     return "\n".join(lines + [f"| {q} | {small} | {large} |" for q, small, large in rows])
 
 
+# ----------------------------------------------------------------------- training at AFM-4.5B's shape
+def gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def threads(n: int) -> str:
+    return "one thread" if n == 1 else f"{n} threads"
+
+
+def layer_ranges(calls: list[int]) -> str:
+    """The layers whose forward ran, as ranges ("0-3")."""
+    ran = [i for i, c in enumerate(calls) if c]
+    return f"{ran[0]}-{ran[-1]}" if ran == list(range(ran[0], ran[-1] + 1)) else ", ".join(map(str, ran))
+
+
+def afm_training() -> dict:
+    """The one-process streamed run: its figures, and its training peak over checkpoint + parameters + Adam."""
+    f = load("train_transcoders_afm")["figures"]
+    (rank,), (shard,) = f["ranks"], f["shards"]
+    state = shard["parameter_bytes"] + shard["adam_bytes"]
+    return {**f, "rank": rank, "state": state, "budget": f["checkpoint_bytes"] + state,
+            "ratio": rank["after"]["peak_rss"] / (f["checkpoint_bytes"] + state)}
+
+
+def afm_training_table() -> str:
+    """docs/guide/training-at-scale.md's one-layer run."""
+    r, t = load("train_transcoders_afm"), afm_training()
+    rank, (shard,), n = t["rank"], t["shards"], len(t["rank"]["layer_forward_calls"])
+    predicted = load("train_transcoders_afm_plan")["figures"]["measured_runs_predicted"]["single"]
+    rest = rank["cpu_s"] - rank["forward_cpu_s"]
+    rows = [
+        ("transcoder", f"layer {t['layer']}, TopK, {t['width']:,} features, k {t['k']}"),
+        ("data", f"{t['steps']} steps of {t['batch_tokens']} tokens ({t['steps'] * t['batch_tokens']:,} tokens of "
+                 f"random ids in windows of {t['seq']}), shuffling buffer of {t['buffer_tokens']:,} tokens"),
+        ("layers the model ran (forward hooks that fired)",
+         f"{layer_ranges(rank['layer_forward_calls'])} of 0-{n - 1}"),
+        ("checkpoint; transcoder parameters + Adam state (its checkpoint file)",
+         f"{gb(t['checkpoint_bytes'])}; {gb(shard['parameter_bytes'])} + {gb(shard['adam_bytes'])}"),
+        ("peak resident while training (VmHWM, reset after loading)",
+         f"{gb(rank['after']['peak_rss'])} = **{t['ratio']:.3f}x** checkpoint + parameters + Adam"),
+        ("of which file pages (RssFile: the checkpoint's, mapped) / anonymous (peak RssAnon, sampled)",
+         f"{gb(rank['after']['file'])} / {gb(rank['peak_anon'])}"),
+        ("anonymous: before training (interpreter, libraries) / the peak above it",
+         f"{gb(rank['before_training']['anon'])} / {gb(rank['peak_anon'] - rank['before_training']['anon'])}"),
+        ("the plan's arithmetic for the run: parameters, gradients, Adam, batch and the step's tensors; the "
+         "buffer (its refills peak higher: below)", f"{gb(predicted['device_total'])}; {gb(predicted['buffer_host'])}"),
+        ("peak resident while loading, before training", gb(rank["loaded"]["peak_rss"])),
+        ("CPU: the model's forwards", f"{rank['forward_cpu_s']:.0f} s for {rank['forward_tokens']:,} tokens "
+                                      f"({rank['forward_cpu_s'] / rank['forward_tokens'] * 1e3:.1f} ms a token)"),
+        ("CPU: the rest (the transcoder's steps)", f"{rest:.0f} s, {rest / t['steps']:.2f} s a step"),
+        ("FVU of the training batch: first logged, last; L0",
+         f"{t['fvu_first'][0]:.3f} (after {t['curve_tokens'][0]:,} tokens), {t['fvu_final'][0]:.3f}; "
+         f"{t['l0_final'][0]:.0f}"),
+    ]
+    return key_value_table(rows, r) + (f" {threads(rank['torch_threads']).capitalize()}; "
+                                       f"{rank['cpu_s'] + rank['loaded']['cpu_s']:.0f} CPU s with the loading.")
+
+
+def afm_sharded_table() -> str:
+    """docs/guide/training-at-scale.md's feature-sharded cross-layer run: one row per process."""
+    r = load("train_transcoders_afm_sharded")
+    f = r["figures"]
+    predicted = load("train_transcoders_afm_plan")["figures"]["measured_runs_predicted"]["sharded"]
+    whole = sharded_whole()
+    lines = ["| process | parameters (share of the whole) | Adam state | anonymous: peak while training (sampled) | "
+             "anonymous: at the last step, after the final gather | resident peak (VmHWM) | the checkpoint's pages "
+             "shared with the other process (Shared_Clean); proportional share of all (PSS) | the model's forwards | "
+             "CPU s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for rank, shard in zip(f["ranks"], f["shards"], strict=True):
+        last = rank["steps"][-1]
+        shared = max(rank["steps"], key=lambda step: step["shared_clean"])  # before the kernel reclaimed any
+        lines.append(f"| {rank['rank']} | {gb(shard['parameter_bytes'])} ({shard['parameter_bytes'] / whole:.4f}) | "
+                     f"{gb(shard['adam_bytes'])} | {gb(rank['peak_anon'])} | {gb(last['anon'])}, "
+                     f"{gb(rank['after']['anon'])} | {gb(rank['after']['peak_rss'])} | {gb(shared['shared_clean'])}; "
+                     f"{gb(shared['pss'])} | {rank['forward_tokens']:,} tokens, layers "
+                     f"{layer_ranges(rank['layer_forward_calls'])} | {rank['cpu_s']:.0f} |")
+    lines += ["", f"A cross-layer transcoder of {f['width']} TopK features per layer (k {f['k']}, "
+                  f"{gb(whole)} of parameters), `layout=\"features\"` over {f['processes']} gloo processes, "
+                  f"{f['steps']} steps of {f['batch_tokens']} tokens (random ids, windows of {f['seq']}, buffer "
+                  f"{f['buffer_tokens']} tokens); the checkpoint ({gb(f['checkpoint_bytes'])}) memory-mapped in both. "
+                  f"Predicted per process: {gb(predicted['device_total'])} to train (parameters, gradients, Adam, the "
+                  f"gathered batch, the step's activations), {gb(predicted['gathered_at_end'])} more for the final "
+                  f"gather. FVU of the last batch, by layer: {min(f['fvu_final']):.3f} to {max(f['fvu_final']):.3f}. "
+                  f"Measured {when(r)}; {threads(f['ranks'][0]['torch_threads'])} a process."]
+    return "\n".join(lines)
+
+
+def sharded_whole() -> int:
+    """The sharded run's whole cross-layer transcoder's parameter bytes (what the final gather returned)."""
+    return load("train_transcoders_afm_sharded")["figures"]["ranks"][0]["result_parameter_bytes"]
+
+
+def streaming_buffer_sentence() -> str:
+    """docs/guide/training-at-scale.md: the streaming buffer's peak and held memory against its size."""
+    f = load("streaming_buffer")["figures"]
+    return (f"a {gb(f['nominal_bytes'])} buffer ({f['buffer_tokens']:,} tokens) peaks at "
+            f"**{f['peak_over_nominal']:.2f}x** its size, and holds {f['held_over_nominal']:.2f}x between refills")
+
+
+def afm_plan() -> dict:
+    return load("train_transcoders_afm_plan")["figures"]
+
+
+def afm_plan_sizes() -> str:
+    """docs/guide/training-at-scale.md's full-size parameter and activation figures."""
+    p = afm_plan()
+    n, d, f = p["layers"], p["hidden_size"], p["features"]
+    one, clt = p["per_layer"], p["cross_layer"]
+    io = p["mlp_io_bytes_per_token"]
+    rows = [
+        (f"one layer's transcoder: W_enc [{d} {f}], b_enc, W_dec [{f} {d}], b_dec",
+         f"{one['parameters'] / 1e6:,.1f} M", gb(4 * one["parameters"]), gb(8 * one["trained"]),
+         gb(4 * one["trained"])),
+        (f"{n} per-layer transcoders", f"{n * one['parameters'] / 1e9:,.2f} B", gb(4 * n * one["parameters"]),
+         gb(8 * n * one["trained"]), gb(4 * n * one["trained"])),
+        (f"cross-layer transcoder: {n} encoders [{d} {f}]", f"{clt['encoder'] / 1e9:,.2f} B", gb(4 * clt["encoder"]),
+         "", ""),
+        (f"its decoders: layer l writes layers l ... {n - 1}, {n * (n + 1) // 2} blocks [{f} {d}] (layer 0's: "
+         f"[{f} {n} {d}])", f"{clt['decoder'] / 1e9:,.2f} B", gb(4 * clt["decoder"]), "", ""),
+        ("the whole cross-layer transcoder (with biases)", f"{clt['parameters'] / 1e9:,.2f} B",
+         gb(4 * clt["parameters"]), gb(8 * clt["trained"]), gb(4 * clt["trained"])),
+    ]
+    lines = ["| | parameters | float32 | Adam state (2x) | gradients |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {a} | {b} | {c} | {e} | {g} |" for a, b, c, e, g in rows]
+    saved = p["saved_bytes_per_token_feature"]
+    lines += ["", "| per token | bytes |", "|---|---:|",
+              f"| MLP input + output of one layer, bfloat16 (the model's, the buffer's) / float32 (the batch's) | "
+              f"{io['bfloat16'] // n:,} / {io['float32'] // n:,} |",
+              f"| the same for all {n} layers (a cross-layer transcoder's) | {io['bfloat16']:,} / {io['float32']:,} |",
+              f"| a harvest of all {n} layers on disk (`corpus.harvest` stores bfloat16 as float32) | "
+              f"{io['float32']:,} |",
+              f"| kept for backward by the loss, per feature of each layer (pre-activations, activations, the TopK "
+              f"mask: measured on `batch_loss`); their gradients while backward runs | {saved['per_layer']:g}; "
+              f"{p['backward_gradient_bytes_per_token_feature']:g} |",
+              f"| the shuffling buffer of {p['buffer_tokens']:,} tokens, one layer / all {n} | "
+              f"{gb(p['buffer_tokens'] * io['bfloat16'] // n)} / {gb(p['buffer_tokens'] * io['bfloat16'])} |"]
+    return "\n".join(lines)
+
+
+def afm_plan_layouts() -> str:
+    """docs/guide/training-at-scale.md's GPUs per layout, from the plan's arithmetic."""
+    r, p = load("train_transcoders_afm_plan"), afm_plan()
+    n, lay = p["layers"], p["layouts"]
+    budget = p["gpu_bytes"] * p["usable_fraction"]
+
+    def cells(b):
+        return (f"{gb(b['model'])} | {gb(b['parameters'] + b['gradients'] + b['adam'])} | {gb(b['batch'])} | "
+                f"{gb(b['step_activations'])} | **{gb(b['device_total'])}** | {gb(b['buffer_host'])} | "
+                f"{gb(b['gathered_at_end'])}")
+
+    rows = [
+        (f"per-layer, `layout=\"data\"`, a process to a GPU training {lay['per_layer_data']['layers_per_gpu']} "
+         "layers (`layers=(l, ...)`)", cells(lay["per_layer_data"]["bytes"]),
+         f"{lay['per_layer_data']['gpus']} ({n} layers)"),
+        (f"per-layer, all {n} layers, `layout=\"features\"`", cells(lay["per_layer_features"]["bytes"]),
+         str(lay["per_layer_features"]["gpus"])),
+        ("cross-layer, `layout=\"features\"`", cells(lay["cross_layer_features"]["bytes"]),
+         str(lay["cross_layer_features"]["gpus"])),
+        ("cross-layer, `layout=\"data\"` (the whole transcoder in every process)",
+         cells(lay["cross_layer_data"]["bytes"]), "none fits"),
+    ]
+    lines = ["| layout | model (bf16) | parameters + gradients + Adam | batch (fp32) | step activations | "
+             "on the GPU | buffer (host) | final gather (host) | 80 GB GPUs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines + ["", f"Per process, one process to a GPU; a GPU holds {gb(budget)} "
+                                   f"({p['usable_fraction']:.0%} of {p['gpu_bytes'] / 2**30:.0f} GiB); batches of "
+                                   f"{p['batch_tokens']:,} tokens. Computed {r['date'][:10]} by "
+                                   f"`{r['command']}`."])
+
+
 PARTS = {
     "features": feature_statistics_text,
     "speed-table": speed_table,
@@ -640,8 +818,12 @@ PARTS = {
     "attribution-scale": attribution_scale_table,
     "attribution-alpha-er": lambda: attribution_scale_table("attribution_alpha_er"),
     "explorer-load": explorer_load_table,
-
-
+    "training-afm": afm_training_table,
+    "training-afm-sharded": afm_sharded_table,
+    "training-plan-sizes": afm_plan_sizes,
+    "training-plan-layouts": afm_plan_layouts,
+    "training-buffer": streaming_buffer_sentence,
+    "training-plan-harvest": lambda: f"{100e6 * afm_plan()['mlp_io_bytes_per_token']['float32'] / 1e12:.0f} TB",
     "which-tool": which_tool_costs,
 }
 
