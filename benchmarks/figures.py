@@ -770,7 +770,7 @@ def afm_plan_layouts() -> str:
     def cells(b):
         return (f"{gb(b['model'])} | {gb(b['parameters'] + b['gradients'] + b['adam'])} | {gb(b['batch'])} | "
                 f"{gb(b['step_activations'])} | **{gb(b['device_total'])}** | {gb(b['buffer_host'])} | "
-                f"{gb(b['gathered_at_end'])}")
+                f"{gb(b['gather_device_peak'])}; {gb(b['gathered_at_end'])}")
 
     rows = [
         (f"per-layer, `layout=\"data\"`, a process to a GPU training {lay['per_layer_data']['layers_per_gpu']} "
@@ -784,7 +784,7 @@ def afm_plan_layouts() -> str:
          cells(lay["cross_layer_data"]["bytes"]), "none fits"),
     ]
     lines = ["| layout | model (bf16) | parameters + gradients + Adam | batch (fp32) | step activations | "
-             "on the GPU | buffer (host) | final gather (host) | 80 GB GPUs |",
+             "on the GPU | buffer (host) | the final gather: on the GPU; the result (host) | 80 GB GPUs |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines + ["", f"Per process, one process to a GPU; a GPU holds {gb(budget)} "

@@ -132,7 +132,14 @@ def process_bytes(cross_layer: bool, features: int, processes: int, layers: int,
     }
     out["device_total"] = sum(out.values())
     out["buffer_host"] = buffer_tokens // processes * n * 2 * d * 2  # bfloat16, in host memory (sources.py)
-    out["gathered_at_end"] = 4 * whole  # Shard.gathered(): the whole transcoders in every process
+    # Shard.gathered(): the whole transcoders in every process (host memory), each tensor gathered on the device
+    # first (the processes' parts, then their concatenation: twice the largest whole tensor, transient).
+    out["gathered_at_end"] = 4 * whole
+    largest = SHAPE.num_layers * d * features if cross_layer else d * features  # a CLT's W_enc, or its W_dec[0]
+    transient = 2 * 4 * largest if processes > 1 else 0
+    # on the device then: the training state, the last batch and its activations (the step's graph is gone)
+    out["gather_device_peak"] = (out["device_total"] - out["step_activations"] + 4 * batch_tokens * n * shard
+                                 + transient)
     return out
 
 
