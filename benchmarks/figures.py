@@ -781,7 +781,7 @@ def afm_plan_layouts() -> str:
         ("cross-layer, `layout=\"features\"`", cells(lay["cross_layer_features"]["bytes"]),
          str(lay["cross_layer_features"]["gpus"])),
         ("cross-layer, `layout=\"data\"` (the whole transcoder in every process)",
-         cells(lay["cross_layer_data"]["bytes"]), "none fits"),
+         cells(lay["cross_layer_data"]["bytes"]), str(lay["cross_layer_data"]["gpus"] or "none fits")),
     ]
     lines = ["| layout | model (bf16) | parameters + gradients + Adam | batch (fp32) | step activations | "
              "on the GPU | buffer (host) | the final gather: on the GPU; the result (host) | 80 GB GPUs |",

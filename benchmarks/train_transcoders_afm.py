@@ -22,8 +22,11 @@ gathers the whole transcoder at the end. The tokens are random ids (no dataset i
 device, Adam state, activations per token, the [tokens x features] bytes a step keeps for backward measured
 on the trainer's own loss, 80 GB GPUs per layout), no model needed.
 
-Results go to benchmarks/results/train_transcoders_afm.json, train_transcoders_afm_sharded.json and
-train_transcoders_afm_plan.json; benchmarks/figures.py renders them into docs/guide/training-at-scale.md.
+`--buffer`: the streaming buffer's peak anonymous memory against its size, on the embedded Arcee.
+
+Results go to benchmarks/results/train_transcoders_afm.json, train_transcoders_afm_sharded.json,
+train_transcoders_afm_plan.json and streaming_buffer.json; benchmarks/figures.py renders them into
+docs/guide/training-at-scale.md (and the summary of benchmarks/README.md).
 """
 
 import argparse
@@ -77,7 +80,7 @@ def transcoder_parameters(cross_layer: bool, features: int, activation: str = "t
 def saved_bytes_per_token_feature(cross_layer: bool) -> float:
     """Bytes the trainer's loss keeps for backward per token and feature of each layer (the [tokens features]
     tensors: pre-activations, activations, the TopK mask), measured with saved-tensor hooks on
-    `objective.batch_loss` at two widths of a small shape (the difference is what grows with the width)."""
+    `objective.batch_loss` at two token counts and two widths of a small shape (weights not counted)."""
     from hooked_models.transcoders.identity import ModelIdentity
     from hooked_models.transcoders.training import TrainingConfig
     from hooked_models.transcoders.training.distributed import Layout, process_group
@@ -172,14 +175,14 @@ def plan(features: int = FULL_FEATURES, batch_tokens: int = 4096, buffer_tokens:
     saved = {"per_layer": saved_bytes_per_token_feature(False), "cross_layer": saved_bytes_per_token_feature(True)}
     one, one_trained = transcoder_parameters(False, features)
     clt, clt_trained = transcoder_parameters(True, features)
-    with torch.device("meta"):
-        from hooked_models.transcoders import CrossLayerTranscoder
+    from hooked_models.transcoders import CrossLayerTranscoder
 
+    with torch.device("meta"):
         shapes = CrossLayerTranscoder(n, d, features, activation="topk", k=1)
         decoder = sum(w.numel() for w in shapes.W_dec)
         encoder = shapes.W_enc.numel()
     layouts = {}
-    # Per-layer transcoders, a layer per process (`layers=(l,)`, one process): as many layers per GPU as fit.
+    # Per-layer transcoders in the data layout: a process to a GPU trains as many layers (`layers=`) as fit.
     single = process_bytes(False, features, 1, 1, batch_tokens, buffer_tokens, saved["per_layer"])
     fit = int((budget - single["model"]) // (single["device_total"] - single["model"]))
     packed = process_bytes(False, features, 1, fit, batch_tokens, buffer_tokens, saved["per_layer"])
@@ -189,7 +192,7 @@ def plan(features: int = FULL_FEATURES, batch_tokens: int = 4096, buffer_tokens:
         procs, b = smallest_processes(cross, features, n, batch_tokens, buffer_tokens, saved[key], budget)
         layouts[name] = {"gpus": procs, "bytes": b}
     whole = process_bytes(True, features, 1, n, batch_tokens, buffer_tokens, saved["cross_layer"])
-    layouts["cross_layer_data"] = {"bytes": whole, "gpus": None}
+    layouts["cross_layer_data"] = {"bytes": whole, "gpus": 1 if whole["device_total"] <= budget else None}
     # The same arithmetic for the two measured runs' processes (the model aside: it is memory-mapped, page cache).
     runs = {mode: process_bytes(mode == "sharded", run["width"], 2 if mode == "sharded" else 1, 1,
                                 run["batch_tokens"], run["buffer_tokens"],
@@ -340,12 +343,11 @@ def child(args) -> dict:
 def shard_bytes(checkpoint: Path) -> list[dict]:
     """Each process's checkpoint file: its parameters' and its Adam state's bytes."""
     out = []
-    files = sorted(checkpoint.glob("step-*/rank-*-of-*.pt"))
-    for file in files:
+    for file in sorted(checkpoint.glob("step-*/rank-*-of-*.pt")):
         state = torch.load(file, weights_only=True)
-        tensors = lambda tree: [t for t in _leaves(tree) if isinstance(t, torch.Tensor)]  # noqa: E731
         params = sum(t.numel() * t.element_size() for t in state["shard"]["module"].values())
-        adam = sum(t.numel() * t.element_size() for t in tensors(state["optimizer"]["state"]) if t.ndim > 0)
+        adam = sum(t.numel() * t.element_size() for t in _leaves(state["optimizer"]["state"])
+                   if isinstance(t, torch.Tensor) and t.ndim > 0)  # exp_avg, exp_avg_sq (not the step counts)
         out.append({"file": file.name, "file_bytes": file.stat().st_size, "parameter_bytes": params, "adam_bytes": adam})
     return out
 
