@@ -10,7 +10,8 @@ sparsify (1.3.3, PyPI `eai-sparsify`) is not installed beside this package, so e
   `ArceeForCausalLM`, trains with sparsify's Python API (`Trainer(TrainConfig(...), dataset, model).fit()`; its
   command line hard-codes a CUDA device map), lets sparsify save its transcoders (`sae.safetensors` per
   hookpoint), and measures their FVU on the held-out prompts with sparsify's own `SparseCoder.forward`.
-- `--side ours` runs here: `train_ours`, our `train_transcoders`, saved with `TranscoderSet.save`.
+- `--side ours` runs here: `train_ours`, our `train_transcoders` streamed over the same rows in order (no
+  shuffling buffer), saved with `TranscoderSet.save`.
 - The main half builds the token stream once, starts the runs (sides interleaved: sparsify's settings, then
   ours, seed by seed), converts sparsify's transcoders into our `TranscoderSet` (`from_sparsify`, checked
   against sparsify's own FVU), measures every run with the same `evaluate` and writes
@@ -148,17 +149,15 @@ def side_sparsify(args) -> None:
 
 # ------------------------------------------------------------------------------------ our side
 def train_ours(model, tokens_in_order: torch.Tensor, seed: int, k: int):
-    """Our transcoders of every layer, the same recipe (TrainingConfig: Adam at LR, the last fifth of the
-    steps decayed to zero).
-
-    For now the trainer harvests what it is given and draws its batches at random rows of the harvest, so it
-    gets the stream's distinct prompts (the same 8,192 prompts, in its own order) rather than a 1.5 M-token
-    harvest of the stream: a placeholder until the trainer reads `dataset=` in order."""
+    """Our transcoders of every layer: the shipped recipe (hooked_models/embedded/train_transcoders.py's CONFIG,
+    TrainingConfig's defaults otherwise) at this k and seed, streamed from the model over `tokens_in_order`
+    [rows seq] without a shuffling buffer, so that batch i is rows 64i ... 64i+63, as sparsify's is."""
     from hooked_models.transcoders import TrainingConfig, train_transcoders
 
-    config = TrainingConfig(d_transcoder=D_TRANSCODER, activation="topk", k=k, steps=len(tokens_in_order) // BATCH_PROMPTS,
-                            batch_tokens=BATCH_PROMPTS * tokens_in_order.shape[1], lr=LR, seed=seed)
-    return train_transcoders(model, dataset=torch.unique(tokens_in_order, dim=0), config=config, progress=False)
+    rows, seq = tokens_in_order.shape
+    config = TrainingConfig(d_transcoder=D_TRANSCODER, activation="topk", k=k, steps=rows // BATCH_PROMPTS,
+                            batch_tokens=BATCH_PROMPTS * seq, lr=LR, seed=seed, buffer_tokens=0)
+    return train_transcoders(model, dataset=tokens_in_order, config=config, progress=False)
 
 
 def side_ours(args) -> None:
@@ -379,7 +378,6 @@ def main() -> None:
                    "prompts": len(corpus), "rows": len(stream), "tokens": int(stream.numel()), "seed": STREAM_SEED},
         "held_out": {"corpus": f"make_ioi_prompts({HELD_OUT_PROMPTS}, {HELD_OUT_SEED}).clean_tokens",
                      "tokens": int(args.held_out.numel())},
-        "ours_placeholder": "our trainer draws random rows of the stream's distinct prompts (train_ours)",
         "sparsify_versions": args.sparsify_versions,
         "tuning": {"seed": args.seeds[0], "k": K, "runs": [{key: r[key] for key in brief} for r in tuning]},
         "sparsify_settings": settings, "sparsify_best": overall, "sparsify_best_adam": best_adam,
