@@ -47,7 +47,11 @@ def read_result(out: str | os.PathLike):
 def plot_curves(curves: list[dict], path: Path, names: list[int] | None = None) -> None:
     """Three panels against tokens seen: each layer's FVU (log scale), L0 and dead % (layers `names`)."""
     # A Figure without pyplot: no backend switched, no figure left open (a notebook keeps drawing inline).
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # the transcoders and training.json are written already
+        raise ImportError(f"drawing {path.name} needs matplotlib: pip install 'hooked_models[train]' (the "
+                          "transcoders and training.json are written)") from None
 
     fig = Figure(figsize=(13, 3.6))
     axes = fig.subplots(1, 3)
