@@ -19,12 +19,13 @@ def test_the_report_is_written_and_leaves_the_backend_and_figures_alone(arcee, t
                "auxk": 0.0} for s in (1, 2)]
     backend = matplotlib.get_backend()
     plt.switch_backend("svg")  # a backend other than Agg stands for a notebook's inline one
+    before = plt.get_fignums()  # figures other tests left open stay as they are too
     try:
         mine = plt.figure()
         write_report(tmp_path, tcs, config, curves, {"processes": 1})
-        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [mine.number]
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [*before, mine.number]
     finally:
-        plt.close("all")
+        plt.close(mine)
         plt.switch_backend(backend)
     report = json.loads((tmp_path / "training.json").read_text())
     assert report["config"]["k"] == 2 and report["curves"] == curves and report["final"] == curves[-1]
