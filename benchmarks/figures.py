@@ -10,12 +10,15 @@ command, the date, the machine's load before and after, the medians). Here each 
 is a function of those files; in the document it sits between `<!-- figures: NAME -->` and `<!-- /figures -->`
 (a table, a sentence, or a single figure inside a sentence; the site's build drops the markers,
 docs/hooks.py), so a summary row and its table are two renderings of one number and cannot drift apart.
-tests/test_benchmark_figures.py checks that every part is what its results render to.
+tests/test_benchmark_figures.py checks that every part is what its results render to. The images drawn from
+results (`IMAGES`: the transcoder-training FVU-against-L0 plot) carry the numbers they plot in their PNG text,
+which the check compares (pixels differ with a machine's fonts).
 """
 
 import argparse
 import json
 import re
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -223,7 +226,8 @@ def summary_table() -> str:
     commands = {n: load(n)["command"] for n in ("forward", "forward_overhead", "patching_size_8", "patching_size_32",
                                                  "patching_arcee", "patching_alpha-er", "generate", "circuits",
                                                  "load_4_5b", "corpus", "attribution", "attribution_afm",
-                                                 "train_transcoders_afm", "train_transcoders_afm_sharded")}
+                                                 "train_transcoders_afm", "train_transcoders_afm_sharded",
+                                                 "transcoder_training")}
     s8, s32 = sweeps("patching_size_8"), sweeps("patching_size_32")
     arcee, alpha = sweeps("patching_arcee"), sweeps("patching_alpha-er")
     cr, co = circuit_ranges(), corpus()
@@ -267,6 +271,8 @@ def summary_table() -> str:
          "each process's parameters / the whole", ", ".join(f"{s['parameter_bytes'] / sharded_whole():.4f}"
                                                             for s in load("train_transcoders_afm_sharded")
                                                             ["figures"]["shards"])),
+        (commands["transcoder_training"], "transcoders trained on the same tokens (k=16): FVU per layer, then CPU "
+         "time per token, ours / sparsify's best Adam", sparsify_ratios()),
     ]
     lines = ["| command | comparison | ratio |", "|---|---|---:|"]
     lines += [f"| {f'`{cmd}`' if cmd else ''} | {what} | {ratio} |" for cmd, what, ratio in rows]
@@ -793,6 +799,154 @@ def afm_plan_layouts() -> str:
                                    f"`{r['command']}`."])
 
 
+# ----------------------------------------------------------------------------- side by side with sparsify
+def sparsify_comparison() -> dict:
+    """benchmarks/results/transcoder_training.json's figures: the runs, their summaries (mean and sd over
+    seeds) per setting, and the target comparison (ours against sparsify's best Adam setting)."""
+    return load("transcoder_training")["figures"]
+
+
+def plus_minus(stat: dict, digits: int) -> str:
+    """`mean ± sd` (just the mean where one seed ran)."""
+    return f"{stat['mean']:.{digits}f}" + (f" ± {stat['sd']:.{digits}f}" if stat["sd"] is not None else "")
+
+
+def sparsify_ratios() -> str:
+    """Ours over sparsify's best Adam setting: FVU per layer; CPU time per token (means over seeds)."""
+    f = sparsify_comparison()
+    ours, theirs = f["summary"]["ours"], f["summary"][f["sparsify_best_adam"]]
+    fvu = " / ".join(f"{o['mean'] / t['mean']:.2f}" for o, t in zip(ours["fvu"], theirs["fvu"]))
+    return f"{fvu}; {ours['cpu_s_per_1k_tokens']['mean'] / theirs['cpu_s_per_1k_tokens']['mean']:.2f}"
+
+
+def sparsify_targets(f: dict) -> list[tuple[str, bool]]:
+    """The issue's targets for our transcoders against sparsify's best Adam setting, at the same k: (what, met)."""
+    ours, theirs = f["summary"]["ours"], f["summary"][f["sparsify_best_adam"]]
+    fvu = [o["mean"] <= t["mean"] for o, t in zip(ours["fvu"], theirs["fvu"])]
+    return [("FVU at most its on every layer", all(fvu)),
+            ("loss recovered at least its", ours["loss_recovered"]["mean"] >= theirs["loss_recovered"]["mean"]),
+            ("dead % at most its", all(o["mean"] <= t["mean"] for o, t in zip(ours["dead_pct"], theirs["dead_pct"]))),
+            ("CPU time per token at most its",
+             ours["cpu_s_per_1k_tokens"]["mean"] <= theirs["cpu_s_per_1k_tokens"]["mean"])]
+
+
+def sparsify_table() -> str:
+    """benchmarks/README.md's side-by-side with sparsify: one row per sparsify setting and ours (k=16), the
+    targets, the k sweep."""
+    r = load("transcoder_training")
+    f = r["figures"]
+    layers = len(f["recipe"]["hookpoints"])
+    head = ("| side | setting | " + " | ".join(f"FVU, layer {l}" for l in range(layers))
+            + " | L0, layer 0 / 1 | dead %, layer 0 / 1 | loss recovered | CPU s / 1k tokens |")
+    lines = [head, "|---|---|" + "---:|" * (layers + 4)]
+    version = f["sparsify_versions"]["eai-sparsify"]
+    for name, s in f["summary"].items():
+        side = "hooked_models" if name == "ours" else f"sparsify {version}"
+        setting = "`train_transcoders` (Adam, lr 2e-3)" if name == "ours" else name
+        if name == f["sparsify_best"]:
+            setting += " (its best)"
+        lines.append(f"| {side} | {setting} | " + " | ".join(plus_minus(v, 5) for v in s["fvu"])
+                     + " | " + " / ".join(f"{v['mean']:.1f}" for v in s["l0"]) + " | "
+                     + " / ".join(plus_minus(v, 1) for v in s["dead_pct"])
+                     + f" | {plus_minus(s['loss_recovered'], 5)} | {plus_minus(s['cpu_s_per_1k_tokens'], 4)} |")
+    targets = "; ".join(f"{what} {'met' if met else '**not met**'}" for what, met in sparsify_targets(f))
+    seeds = f["summary"]["ours"]["seeds"]
+    lines += ["", f"Targets against sparsify's best Adam setting ({f['sparsify_best_adam']}): {targets}. "
+              f"Mean ± sd over seeds {', '.join(map(str, seeds))}; measured {when(r)}; sparsify "
+              f"{version}, schedulefree {f['sparsify_versions']['schedulefree']}, transformers "
+              f"{f['sparsify_versions']['transformers']}; one thread. sparsify's transcoders converted into ours score "
+              f"its own FVU within {max(r['fvu_conversion_rel_diff'] for r in f['runs'] if r['side'] == 'sparsify'):.0e} "
+              "(relative, every run above)."]
+    tuning = "; ".join(f"{r['setting']}: {' / '.join(f'{v:.5f}' for v in r['fvu'])}" for r in f["tuning"]["runs"])
+    if tuning:
+        lines += ["", f"sparsify's learning rate, tuned on seed {f['tuning']['seed']} (held-out FVU per layer; the "
+                  f"lowest geometric mean over layers chosen): {tuning}."]
+    sweep = f["sweep"]
+    lines += ["", f"The k sweep (sparsify: {sweep['setting']}; seeds {', '.join(map(str, sweep['seeds']))}; mean over "
+              "seeds where more than one), held-out L0 and FVU per layer:", "",
+              "| k | sparsify L0 | sparsify FVU | hooked_models L0 | hooked_models FVU |", "|---:|---:|---:|---:|---:|"]
+    points = sweep_points()
+    for i, k in enumerate(sweep["ks"]):
+        cells = []
+        for side in ("sparsify", "ours"):
+            at = [points[side][l][i] for l in range(layers)]
+            cells += [" / ".join(f"{p['l0']:.1f}" for p in at), " / ".join(f"{p['fvu']:.5f}" for p in at)]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_points() -> dict:
+    """The k sweep as drawn: {side: [per layer: [{"k", "l0", "fvu", "fvu_sd"} per k]]}, means over seeds."""
+    sweep = sparsify_comparison()["sweep"]
+    layers = len(sweep["runs"][0]["fvu"])
+    out = {}
+    for side in ("sparsify", "ours"):
+        out[side] = []
+        for l in range(layers):
+            row = []
+            for k in sweep["ks"]:
+                runs = [r for r in sweep["runs"] if r["side"] == side and r["k"] == k]
+                fvu = [r["fvu"][l] for r in runs]
+                row.append({"k": k, "l0": round(sum(r["l0"][l] for r in runs) / len(runs), 6),
+                            "fvu": round(sum(fvu) / len(fvu), 9),
+                            "fvu_sd": round(statistics.stdev(fvu), 9) if len(fvu) > 1 else 0.0})
+            out[side].append(row)
+    return out
+
+
+def draw_fvu_l0(path: Path, points: dict) -> None:
+    """FVU against L0, one panel per layer, both sides' k sweeps."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = sparsify_comparison()
+    labels = {"sparsify": f"sparsify {f['sparsify_versions']['eai-sparsify']} ({f['sweep']['setting']})",
+              "ours": "hooked_models train_transcoders"}
+    layers = len(points["ours"])
+    fig, axes = plt.subplots(1, layers, figsize=(4.2 * layers, 3.6), squeeze=False)
+    for l, ax in enumerate(axes[0]):
+        for side, marker in (("sparsify", "s"), ("ours", "o")):
+            row = points[side][l]
+            ax.errorbar([p["l0"] for p in row], [p["fvu"] for p in row], yerr=[p["fvu_sd"] for p in row],
+                        marker=marker, capsize=3, label=labels[side])
+            for p in row:
+                ax.annotate(f"k={p['k']}", (p["l0"], p["fvu"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_yscale("log")
+        ax.set_xlabel("L0 (held-out tokens)")
+        ax.set_ylabel("FVU (held out)")
+        ax.set_title(f"layer {l} MLP, {f['recipe']['d_transcoder']} features")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    # The plotted numbers ride in the file: the check compares them, not pixels (fonts differ between machines).
+    fig.savefig(path, dpi=110, metadata={"Software": None, "Source": json.dumps(points, sort_keys=True)})
+    plt.close(fig)
+
+
+# Images drawn from the results: (file, what it plots, how it is drawn).
+IMAGES = {
+    "transcoder-training-fvu-l0": (ROOT / "docs" / "guide" / "img" / "transcoder-training-fvu-l0.png",
+                                   sweep_points, draw_fvu_l0),
+}
+
+
+def drawn_from(path: Path) -> object:
+    """The numbers an image was drawn from (its PNG text chunk "Source"), or None."""
+    from PIL import Image
+
+    if not path.is_file():
+        return None
+    with Image.open(path) as image:
+        source = image.text.get("Source")
+    return None if source is None else json.loads(source)
+
+
 PARTS = {
     "features": feature_statistics_text,
     "speed-table": speed_table,
@@ -824,6 +978,7 @@ PARTS = {
     "training-plan-layouts": afm_plan_layouts,
     "training-buffer": streaming_buffer_sentence,
     "training-plan-harvest": lambda: f"{100e6 * afm_plan()['mlp_io_bytes_per_token']['float32'] / 1e12:.0f} TB",
+    "transcoder-training": sparsify_table,
     "which-tool": which_tool_costs,
 }
 
@@ -855,6 +1010,12 @@ def main() -> None:
             stale.append(document.relative_to(ROOT))
             if not args.check:
                 document.write_text(new)
+    for path, data, draw in IMAGES.values():
+        points = data()
+        if drawn_from(path) != points:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                draw(path, points)
     if args.check and stale:
         sys.exit(f"stale benchmark figures in {', '.join(map(str, stale))}: run python benchmarks/figures.py")
     print(("stale: " if args.check else "rewrote: ") + ", ".join(map(str, stale)) if stale else "up to date")

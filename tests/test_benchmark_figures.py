@@ -70,3 +70,11 @@ def test_a_changed_result_changes_the_summary_and_its_table(tmp_path, monkeypatc
         assert after[name] != before[name], name
     assert f"{exact:.1f}x" in after["summary"] and f"({exact:.1f})" in after["circuits"]
     assert f"1/{exact:.0f} (a 4-layer" in after["circuits-sentence"]
+
+
+@pytest.mark.parametrize("name", sorted(figures.IMAGES))
+def test_every_image_is_drawn_from_its_results(name):
+    """An image drawn from results carries the numbers it plots (PNG text): they are the results' now."""
+    path, data, _ = figures.IMAGES[name]
+    assert figures.drawn_from(path) == data(), (
+        f"{path.relative_to(ROOT)} was drawn from other numbers than its results': run python benchmarks/figures.py")
