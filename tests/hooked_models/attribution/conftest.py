@@ -125,3 +125,18 @@ def replacement():
 @pytest.fixture(scope="session")
 def make_untied():
     return untied_transcoders
+
+
+def _node_values(graph, run):
+    """Each node's value in the graph's row order: features' pre-activations, outputs' logits."""
+    values = torch.full((graph.n_nodes,), float("nan"))
+    layer, pos, feature = graph.active_features.T
+    values[:graph.n_features] = run.pre[layer, pos, feature]
+    values[graph.logit_start:] = run.logits[-1, graph.logit_tokens]
+    return values
+
+
+@pytest.fixture(scope="session")
+def node_values():
+    """A graph's nodes' values in a run of the oracle (the head-loading and QK-flow tests)."""
+    return _node_values

@@ -9,22 +9,14 @@ import torch
 from hooked_models.attribution import attribute
 
 
-def node_values(graph, run):
-    """Each target's value in the graph's row order: features' pre-activations, outputs' logits."""
-    values = torch.full((graph.n_nodes,), float("nan"))
-    layer, pos, feature = graph.active_features.T
-    values[:graph.n_features] = run.pre[layer, pos, feature]
-    values[graph.logit_start:] = run.logits[-1, graph.logit_tokens]
-    return values
-
-
 @pytest.fixture(scope="module")
 def graph_all(family_setup):
     model, tcs, tokens = family_setup
     return attribute(model, tokens, tcs, batch_size=16, head_loadings="all", qk=0)
 
 
-def test_every_heads_loading_is_what_letting_that_head_alone_through_moves(family_setup, graph_all, replacement):
+def test_every_heads_loading_is_what_letting_that_head_alone_through_moves(family_setup, graph_all, replacement,
+                                                                          node_values):
     model, tcs, tokens = family_setup
     graph = graph_all
     oracle = replacement(model, tcs, tokens)

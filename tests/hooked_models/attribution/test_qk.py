@@ -96,16 +96,7 @@ def test_one_pair_is_the_dot_product_of_the_rotated_normed_projections(tiny_fact
     assert row["value"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 
-def node_values(graph, run):
-    """Each node's value in the graph's row order: features' pre-activations, outputs' (demeaned) logits."""
-    values = torch.full((graph.n_nodes,), float("nan"))
-    layer, pos, feature = graph.active_features.T
-    values[:graph.n_features] = run.pre[layer, pos, feature]
-    values[graph.logit_start:] = run.logits[-1, graph.logit_tokens]
-    return values
-
-
-def test_the_entries_chosen_are_those_of_largest_flow(tl_model_factory, make_untied, replacement):
+def test_the_entries_chosen_are_those_of_largest_flow(tl_model_factory, make_untied, replacement, node_values):
     """qk=n picks the n pattern entries of largest flow: for entry (L, h, q, k), the sum over the targets
     of |what they move when head h's output at q gains pattern[h, q, k] x the value at k|, in the
     replacement model of conftest.py (linear, so the move is the gradient's product). Query head h reads
