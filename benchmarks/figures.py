@@ -837,8 +837,8 @@ def sparsify_table() -> str:
     f = r["figures"]
     layers = len(f["recipe"]["hookpoints"])
     head = ("| side | setting | " + " | ".join(f"FVU, layer {l}" for l in range(layers))
-            + " | L0, layer 0 / 1 | dead %, layer 0 / 1 | loss recovered | CPU s / 1k tokens |")
-    lines = [head, "|---|---|" + "---:|" * (layers + 4)]
+            + " | L0, layer 0 / 1 | dead %, layer 0 / 1 | loss recovered | KL | CPU s / 1k tokens |")
+    lines = [head, "|---|---|" + "---:|" * (layers + 5)]
     version = f["sparsify_versions"]["eai-sparsify"]
     for name, s in f["summary"].items():
         side = "hooked_models" if name == "ours" else f"sparsify {version}"
@@ -848,15 +848,18 @@ def sparsify_table() -> str:
         lines.append(f"| {side} | {setting} | " + " | ".join(plus_minus(v, 5) for v in s["fvu"])
                      + " | " + " / ".join(f"{v['mean']:.1f}" for v in s["l0"]) + " | "
                      + " / ".join(plus_minus(v, 1) for v in s["dead_pct"])
-                     + f" | {plus_minus(s['loss_recovered'], 5)} | {plus_minus(s['cpu_s_per_1k_tokens'], 4)} |")
+                     + f" | {plus_minus(s['loss_recovered'], 5)} | {plus_minus(s['kl_divergence'], 5)} | "
+                     + f"{plus_minus(s['cpu_s_per_1k_tokens'], 4)} |")
     targets = "; ".join(f"{what} {'met' if met else '**not met**'}" for what, met in sparsify_targets(f))
+    every_run = f["runs"] + f["tuning"]["runs"] + f["sweep"]["runs"]
+    conversion = max(r["fvu_conversion_rel_diff"] for r in every_run if r["side"] == "sparsify")
     seeds = f["summary"]["ours"]["seeds"]
     lines += ["", f"Targets against sparsify's best Adam setting ({f['sparsify_best_adam']}): {targets}. "
               f"Mean ± sd over seeds {', '.join(map(str, seeds))}; measured {when(r)}; sparsify "
               f"{version}, schedulefree {f['sparsify_versions']['schedulefree']}, transformers "
               f"{f['sparsify_versions']['transformers']}; one thread. sparsify's transcoders converted into ours score "
-              f"its own FVU within {max(r['fvu_conversion_rel_diff'] for r in f['runs'] if r['side'] == 'sparsify'):.0e} "
-              "(relative, every run above)."]
+              f"its own FVU within {conversion:.0e} (relative, every run). KL: the replacement model's next-token "
+              "distributions from the model's, per position."]
     tuning = "; ".join(f"{r['setting']}: {' / '.join(f'{v:.5f}' for v in r['fvu'])}" for r in f["tuning"]["runs"])
     if tuning:
         lines += ["", f"sparsify's learning rate, tuned on seed {f['tuning']['seed']} (held-out FVU per layer; the "

@@ -30,8 +30,8 @@ the 8,192 IOI prompts the shipped transcoders train on (`make_ioi_prompts(4096, 
 corrupted), one seeded permutation after another to 1,500 x 64 rows; sparsify's Trainer reads a dataset's rows
 in order (it never shuffles), so batch i is rows 64i ... 64i+63. Held out: `make_ioi_prompts(512, 8)`'s clean
 prompts (8,192 tokens). Figures: FVU (Σ|y-ŷ|² / Σ|y-ȳ|² over every held-out position, sparsify's definition),
-L0 and dead % (features that never fire on the held-out tokens) per layer, loss recovered
-(`transcoder_fidelity`: every MLP replaced), and the CPU seconds of each child's training call alone (not
+L0 and dead % (features that never fire on the held-out tokens) per layer, loss recovered and KL divergence
+of the replacement model (every MLP replaced; `hooked_models.transcoders.evaluate` for both sides), and the CPU seconds of each child's training call alone (not
 loading the model or the tokens), one thread, per 1,000 training tokens.
 """
 
@@ -201,26 +201,16 @@ def from_sparsify(directory: Path, model):
     return TranscoderSet(layers, model=model)
 
 
-@torch.no_grad()
 def evaluate(model, transcoders, tokens: torch.Tensor) -> dict:
-    """Per layer: FVU, L0 (mean active features per token), dead % (features that never fire on `tokens`);
-    and the replacement model's loss recovered (`transcoder_fidelity`)."""
-    from hooked_models.transcoders import input_hook_name, output_hook_name, transcoder_fidelity
+    """Both sides' held-out figures, by `hooked_models.transcoders.evaluate`: per layer FVU (sparsify's
+    definition), L0 and dead % (features active on no token); the replacement model's loss recovered, loss gap
+    and KL divergence from the model."""
+    from hooked_models.transcoders import evaluate as evaluate_transcoders
 
-    layers = range(transcoders.n_layers)
-    names = [name for l in layers for name in (input_hook_name(l), output_hook_name(l))]
-    _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
-    fvu, l0, dead = [], [], []
-    for l in layers:
-        x, y = cache[input_hook_name(l)].flatten(0, 1), cache[output_hook_name(l)].flatten(0, 1)
-        acts = transcoders.encode(l, x)
-        error = (transcoders.decode_to(l, {l: acts}, x) - y).double()
-        fvu.append(float((error ** 2).sum() / ((y.double() - y.double().mean(0)) ** 2).sum()))
-        l0.append(float((acts > 0).sum(-1).double().mean()))
-        dead.append(100 * float((~(acts > 0).any(0)).double().mean()))
-    fidelity = transcoder_fidelity(model, transcoders, tokens)
-    return {"fvu": fvu, "l0": l0, "dead_pct": dead, "loss_recovered": fidelity["loss_recovered"],
-            "loss_gap": fidelity["loss_gap"]}
+    report = evaluate_transcoders(model, transcoders, tokens)
+    return {"fvu": report["fvu"], "l0": report["l0"], "dead_pct": report["dead_percent"],
+            "loss_recovered": report["loss_recovered"], "loss_gap": report["loss_gap"],
+            "kl_divergence": report["kl_divergence"]}
 
 
 def run_side(args, side: str, tokens_file: Path, seed: int, k: int, name: str | None = None,
@@ -279,7 +269,7 @@ def mean_sd(runs: list[dict]) -> dict:
     out = {"seeds": [r["seed"] for r in runs]}
     for key in ("fvu", "l0", "dead_pct"):
         out[key] = [stats([r[key][l] for r in runs]) for l in range(len(runs[0][key]))]
-    for key in ("loss_recovered", "cpu_s_per_1k_tokens"):
+    for key in ("loss_recovered", "kl_divergence", "cpu_s_per_1k_tokens"):
         out[key] = stats([r[key] for r in runs])
     return out
 
@@ -368,8 +358,13 @@ def main() -> None:
                  for seed in args.sweep_seeds for k in args.ks
                  for side, named in (("sparsify", (overall, settings[overall])), ("ours", ()))]
     summary = {name: mean_sd([r for r in runs if r["setting"] == name]) for name in settings}
+
+    def brief_run(run: dict) -> dict:
+        return {key: run[key] for key in brief if key in run}
+
     summary["ours"] = mean_sd([r for r in runs if r["side"] == "ours"])
-    brief = ("side", "setting", "k", "seed", "fvu", "l0", "dead_pct", "loss_recovered", "cpu_s_per_1k_tokens")
+    brief = ("side", "setting", "k", "seed", "fvu", "l0", "dead_pct", "loss_recovered", "kl_divergence",
+             "cpu_s_per_1k_tokens", "fvu_conversion_rel_diff")
     results.save({
         "recipe": {"model": "embedded Arcee (2 layers, hidden 64)", "hookpoints": HOOKPOINTS,
                    "d_transcoder": D_TRANSCODER, "k": K, "steps": args.steps, "batch_prompts": BATCH_PROMPTS,
@@ -379,11 +374,11 @@ def main() -> None:
         "held_out": {"corpus": f"make_ioi_prompts({HELD_OUT_PROMPTS}, {HELD_OUT_SEED}).clean_tokens",
                      "tokens": int(args.held_out.numel())},
         "sparsify_versions": args.sparsify_versions,
-        "tuning": {"seed": args.seeds[0], "k": K, "runs": [{key: r[key] for key in brief} for r in tuning]},
+        "tuning": {"seed": args.seeds[0], "k": K, "runs": [brief_run(r) for r in tuning]},
         "sparsify_settings": settings, "sparsify_best": overall, "sparsify_best_adam": best_adam,
         "runs": runs, "summary": summary,
         "sweep": {"setting": overall, "seeds": args.sweep_seeds, "ks": args.ks,
-                  "runs": [{key: r[key] for key in brief} for r in sweep]},
+                  "runs": [brief_run(r) for r in sweep]},
     })
 
 
