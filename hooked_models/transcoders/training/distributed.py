@@ -168,16 +168,18 @@ class Layout:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-2)
 
-    def kth_largest(self, values: Tensor, k: int) -> Tensor:
+    def kth_largest(self, values: Tensor, k: int, whole_batch: bool = False) -> Tensor:
         """Per row (every axis but the last), the k-th largest of the row over every shard of it: each
         process offers its k largest candidates, and the global k-th is chosen from those (what an
-        unsharded topk keeps is exactly what is >= it, ties aside)."""
+        unsharded topk keeps is exactly what is >= it, ties aside). A row is a token's features, split only
+        by feature sharding; `whole_batch`: `values` is this process's whole batch flattened, a row split
+        by data parallelism too."""
         local = values.topk(min(k, values.shape[-1]), dim=-1).values
         if local.shape[-1] < k:
             pad = local.new_full((*local.shape[:-1], k - local.shape[-1]), -torch.inf)
             local = torch.cat([local, pad], dim=-1)
         candidates = local
-        if self.sharded or (self.kind == "data" and self.world > 1 and values.ndim == 1):
+        if self.sharded or (whole_batch and self.world > 1):
             parts = [torch.empty_like(local) for _ in range(self.world)]
             dist.all_gather(parts, local.contiguous())
             candidates = torch.cat(parts, dim=-1)

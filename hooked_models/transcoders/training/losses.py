@@ -31,7 +31,7 @@ def activate(kind: str, pre: Float[Tensor, "tokens d_transcoder"], layout: Layou
         return torch.relu(pre) * (pre >= kth), None
     if kind == "batchtopk":
         kept = k * batch_tokens
-        kth = layout.kth_largest(torch.relu(pre.detach()).flatten(), kept)
+        kth = layout.kth_largest(torch.relu(pre.detach()).flatten(), kept, whole_batch=True)
         acts = torch.relu(pre) * (pre >= kth)
         return acts, kth.clamp(min=0).reshape(())
     raise ValueError(f"activation {kind!r} is not trained here")

@@ -75,36 +75,26 @@ class Shard:
     def gathered(self):
         """The whole transcoders, every process's features in order (every process gets them): a
         TranscoderSet (every layer trained), {layer: Transcoder} (some), or a CrossLayerTranscoder."""
-        layout, config = self.layout, self.config
+        config = self.config
         activation, k = module_activation(config)
+        if self.cross:
+            whole = CrossLayerTranscoder(self.identity.num_layers, self.modules.d_in, config.d_transcoder,
+                                         activation=activation, k=k, skip=config.skip, identity=self.identity)
+            return self._gather_into(whole, self.modules)
+        out = {l: self._gather_into(Transcoder(tc.d_in, config.d_transcoder, layer=l, activation=activation, k=k,
+                                               skip=config.skip), tc) for l, tc in self.modules.items()}
+        if sorted(out) == list(range(self.identity.num_layers)):
+            return TranscoderSet([out[l] for l in sorted(out)], identity=self.identity).eval()
+        return out
+
+    # The feature axis of each parameter (by its name's first part): gathered across the shards in rank order;
+    # the rest (b_dec, W_skip) is replicated, the same on every process.
+    _FEATURE_AXIS = {"W_enc": -1, "b_enc": -1, "threshold": -1, "W_dec": 0}
+
+    def _gather_into(self, whole, part):
+        """`whole` (a module of every feature) filled from `part` (this process's features of the same kind)."""
         with torch.no_grad():
-            if self.cross:
-                clt, n = self.modules, self.identity.num_layers
-                whole = CrossLayerTranscoder(n, clt.d_in, config.d_transcoder, activation=activation, k=k,
-                                             skip=config.skip, identity=self.identity)
-                whole.W_enc.copy_(layout.gather_features(clt.W_enc.detach(), -1))
-                whole.b_enc.copy_(layout.gather_features(clt.b_enc.detach(), -1))
-                for l in range(n):
-                    whole.W_dec[l].copy_(layout.gather_features(clt.W_dec[l].detach(), 0))
-                whole.b_dec.copy_(clt.b_dec.detach())
-                if whole.W_skip is not None:
-                    whole.W_skip.copy_(clt.W_skip.detach())
-                if whole.threshold is not None:
-                    whole.threshold.copy_(layout.gather_features(clt.threshold.detach(), -1))
-                return whole.eval()
-            out = {}
-            for l, tc in self.modules.items():
-                whole = Transcoder(tc.d_in, config.d_transcoder, layer=l, activation=activation, k=k,
-                                   skip=config.skip)
-                whole.W_enc.copy_(layout.gather_features(tc.W_enc.detach(), -1))
-                whole.b_enc.copy_(layout.gather_features(tc.b_enc.detach(), -1))
-                whole.W_dec.copy_(layout.gather_features(tc.W_dec.detach(), 0))
-                whole.b_dec.copy_(tc.b_dec.detach())
-                if whole.W_skip is not None:
-                    whole.W_skip.copy_(tc.W_skip.detach())
-                if whole.threshold is not None:
-                    whole.threshold.copy_(layout.gather_features(tc.threshold.detach(), -1))
-                out[l] = whole.eval()
-            if sorted(out) == list(range(self.identity.num_layers)):
-                return TranscoderSet([out[l] for l in sorted(out)], identity=self.identity).eval()
-            return out
+            for (name, target), source in zip(whole.named_parameters(), part.parameters(), strict=True):
+                axis = self._FEATURE_AXIS.get(name.split(".")[0])
+                target.copy_(source.detach() if axis is None else self.layout.gather_features(source.detach(), axis))
+        return whole.eval()
