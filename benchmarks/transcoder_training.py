@@ -63,6 +63,7 @@ STREAM_SEED = 0
 # Adam's best between 8e-3 and 3.2e-2 and Signum's near 5e-3: both grids bracket them.
 ADAM_LRS = (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
 SIGNUM_LRS = (2.5e-3, 5e-3, 1e-2, None)  # None: its default
+OUR_LRS = ADAM_LRS  # ours at its best: tuned over the same grid, on the same seed, interleaved with sparsify's
 # AuxK needs a dead threshold the run can reach: its default, 10 M tokens, is longer than the run's 1.5 M.
 AUXK = {"auxk_alpha": 1 / 32, "dead_feature_threshold": 100_000}
 
@@ -85,6 +86,21 @@ def compared_settings(adam_lr: float, signum_lr: float | None) -> dict[str, dict
     lr with and without AuxK, Signum at its default and at its tuned lr."""
     return dict([adam(LR, lr_warmup_steps=1000), adam(adam_lr), adam(adam_lr, **AUXK), signum(None),
                  signum(signum_lr)])
+
+
+def ours(lr: float, cross_layer: bool = False, default: bool = False) -> tuple[str, dict]:
+    """(name, train_ours settings) of our trainer at `lr`: per-layer transcoders, or one cross-layer."""
+    name = ("`train_transcoders`, cross-layer, " if cross_layer else "`train_transcoders`, ") + f"lr {lr:g}"
+    return name + (" (its default)" if default else ""), {"lr": lr, "cross_layer": cross_layer}
+
+
+def our_settings(lr: float) -> dict[str, dict]:
+    """Ours with every seed: at its default lr, at its tuned lr, and a cross-layer transcoder at that lr (k
+    per layer, so the same total L0 as the per-layer pair)."""
+    from hooked_models.transcoders import TrainingConfig
+
+    default = TrainingConfig.lr
+    return dict([ours(default, default=True), ours(lr, default=lr == default), ours(lr, cross_layer=True)])
 
 
 def training_stream(corpus: torch.Tensor, rows: int, seed: int = STREAM_SEED) -> torch.Tensor:
@@ -148,15 +164,16 @@ def side_sparsify(args) -> None:
 
 
 # ------------------------------------------------------------------------------------ our side
-def train_ours(model, tokens_in_order: torch.Tensor, seed: int, k: int):
-    """Our transcoders of every layer: the shipped recipe (hooked_models/embedded/train_transcoders.py's CONFIG,
-    TrainingConfig's defaults otherwise) at this k and seed, streamed from the model over `tokens_in_order`
-    [rows seq] without a shuffling buffer, so that batch i is rows 64i ... 64i+63, as sparsify's is."""
+def train_ours(model, tokens_in_order: torch.Tensor, seed: int, k: int, lr: float = LR, cross_layer: bool = False):
+    """Our transcoders of every layer (TrainingConfig's defaults but for the recipe's and these settings),
+    streamed from the model over `tokens_in_order` [rows seq] without a shuffling buffer, so that batch i is
+    rows 64i ... 64i+63, as sparsify's is, and the model run on each batch at once, as sparsify runs it."""
     from hooked_models.transcoders import TrainingConfig, train_transcoders
 
     rows, seq = tokens_in_order.shape
     config = TrainingConfig(d_transcoder=D_TRANSCODER, activation="topk", k=k, steps=rows // BATCH_PROMPTS,
-                            batch_tokens=BATCH_PROMPTS * seq, lr=LR, seed=seed, buffer_tokens=0)
+                            batch_tokens=BATCH_PROMPTS * seq, lr=lr, seed=seed, buffer_tokens=0,
+                            forward_batch=BATCH_PROMPTS, cross_layer=cross_layer)
     return train_transcoders(model, dataset=tokens_in_order, config=config, progress=False)
 
 
@@ -167,7 +184,8 @@ def side_ours(args) -> None:
 
     tokens = load_file(str(args.tokens))
     model = load_model("embedded", family="arcee")
-    transcoders, cpu, wall = timed(lambda: train_ours(model, tokens["stream"], args.seed, args.k))
+    setting = json.loads(args.setting)
+    transcoders, cpu, wall = timed(lambda: train_ours(model, tokens["stream"], args.seed, args.k, **setting))
     transcoders.save(args.out / "transcoders")
     (args.out / "run.json").write_text(json.dumps({"cpu_s": cpu, "wall_s": wall, "threads": torch.get_num_threads()}))
 
@@ -221,15 +239,14 @@ def run_side(args, side: str, tokens_file: Path, seed: int, k: int, name: str | 
     if key in args.done:
         return {**args.done[key], "setting": name}
     from hooked_models.embedded import embedded_checkpoint
-    from hooked_models.transcoders import TranscoderSet
+    from hooked_models.transcoders import load_transcoders
 
     with tempfile.TemporaryDirectory(prefix=f"{side}-") as out:
         out = Path(out)
         command = ["--side", side, "--tokens", str(tokens_file), "--seed", str(seed), "--k", str(k), "--out", str(out),
-                   "--threads", str(args.threads or torch.get_num_threads())]
+                   "--threads", str(args.threads or torch.get_num_threads()), "--setting", json.dumps(setting)]
         if side == "sparsify":
-            command = [str(args.side_python), __file__, *command, "--model", str(embedded_checkpoint("arcee")),
-                       "--setting", json.dumps(setting)]
+            command = [str(args.side_python), __file__, *command, "--model", str(embedded_checkpoint("arcee"))]
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the side's own packages only
         else:
             command = [sys.executable, __file__, *command]
@@ -239,7 +256,7 @@ def run_side(args, side: str, tokens_file: Path, seed: int, k: int, name: str | 
             raise RuntimeError(f"the {side} run failed:\n{done.stdout[-4000:]}")
         record = json.loads((out / "run.json").read_text())
         transcoders = (from_sparsify(out / "run", args.model) if side == "sparsify"
-                       else TranscoderSet.load(out / "transcoders", model=args.model))
+                       else load_transcoders(out / "transcoders", model=args.model))
         figures = evaluate(args.model, transcoders, args.held_out)
     run = {"side": side, "setting": name, "k": k, "seed": seed, **figures,
            "cpu_s": round(record["cpu_s"], 2), "wall_s": round(record["wall_s"], 2), "threads": record["threads"],
@@ -279,7 +296,7 @@ def main() -> None:
     parser.add_argument("--side", choices=["sparsify", "ours"], help="one training run (a child process)")
     parser.add_argument("--tokens", type=Path, help="(--side) the stream and held-out tokens (safetensors)")
     parser.add_argument("--model", type=Path, help="(--side sparsify) the model's directory")
-    parser.add_argument("--setting", help="(--side sparsify) TrainConfig fields, as JSON")
+    parser.add_argument("--setting", help="(--side) sparsify's TrainConfig fields, or train_ours's settings, as JSON")
     parser.add_argument("--out", type=Path, help="(--side) where the run writes its transcoders and run.json")
     parser.add_argument("--seed", type=int, default=0, help="(--side) the initialization's seed")
     parser.add_argument("--k", type=int, default=K, help="(--side) TopK's k")
@@ -287,6 +304,7 @@ def main() -> None:
                         help="the side environment's python (default: %(default)s)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="initialization seeds, both sides")
     parser.add_argument("--adam-lr", type=float, help="sparsify's Adam lr (default: tuned over ADAM_LRS on the first seed)")
+    parser.add_argument("--our-lr", type=float, help="our lr (default: tuned over OUR_LRS on the first seed)")
     parser.add_argument("--signum-lr", type=lambda v: None if v == "default" else float(v), default=float("nan"),
                         help="sparsify's Signum lr, or 'default' (default: tuned over SIGNUM_LRS on the first seed)")
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -311,6 +329,7 @@ def main() -> None:
     from benchmarks.common import Results
     from hooked_models.embedded.task import make_ioi_prompts
     from hooked_models.families import load_model
+    from hooked_models.transcoders import TrainingConfig
 
     if not args.side_python.exists():
         raise FileNotFoundError(f"{args.side_python} not found: build the side environment with "
@@ -332,37 +351,45 @@ def main() -> None:
             return min(names, key=lambda n: statistics.geometric_mean(
                 [fvu for r in runs if r["setting"] == n for fvu in r["fvu"]]))
 
-        tuning = []
-        if args.adam_lr is None or args.signum_lr != args.signum_lr:  # nan: not given
-            print(f"tuning sparsify's lr: seed {args.seeds[0]}, k={K}", flush=True)
-            grids = {"adam": [adam(lr) for lr in ADAM_LRS] if args.adam_lr is None else [],
-                     "signum": [signum(lr) for lr in SIGNUM_LRS] if args.signum_lr != args.signum_lr else []}
-            for optimizer, grid in grids.items():
-                runs = [run_side(args, "sparsify", tokens_file, args.seeds[0], K, *s) for s in grid]
-                if runs:
-                    lr = dict(grid)[best(runs)].get("lr")
-                    args.adam_lr, args.signum_lr = (lr, args.signum_lr) if optimizer == "adam" else (args.adam_lr, lr)
-                tuning += runs
+        # Each side's lr tuned on the first seed, lr by lr: sparsify's Adam then ours, then sparsify's Signum.
+        tuning, seed = [], args.seeds[0]
+        print(f"tuning the lr: seed {seed}, k={K}", flush=True)
+        grids = {"adam": [adam(lr) for lr in ADAM_LRS] if args.adam_lr is None else [],
+                 "ours": [ours(lr) for lr in OUR_LRS] if args.our_lr is None else []}
+        pairs = [(side, named) for i in range(max(map(len, grids.values())))
+                 for side, grid in (("sparsify", grids["adam"]), ("ours", grids["ours"])) if i < len(grid)
+                 for named in [grid[i]]]
+        if args.signum_lr != args.signum_lr:  # nan: not given
+            pairs += [("sparsify", named) for named in [signum(lr) for lr in SIGNUM_LRS]]
+        tuning = [run_side(args, side, tokens_file, seed, K, *named) for side, named in pairs]
+        for kind, of in (("adam", lambda r: r["side"] == "sparsify" and "Adam" in r["setting"]),
+                         ("ours", lambda r: r["side"] == "ours"),
+                         ("signum", lambda r: r["side"] == "sparsify" and "Signum" in r["setting"])):
+            runs = [r for r in tuning if of(r)]
+            if runs:
+                lr = {n: v for side, (n, v) in pairs}[best(runs)].get("lr")
+                setattr(args, f"{'our' if kind == 'ours' else kind}_lr", lr)
         settings = compared_settings(args.adam_lr, args.signum_lr)
+        mine = our_settings(args.our_lr)
         print(f"k={K}, seeds {args.seeds}: sparsify's settings then ours, seed by seed", flush=True)
         runs = []
         for seed in args.seeds:
             runs += [run_side(args, "sparsify", tokens_file, seed, K, *s) for s in settings.items()]
-            runs.append(run_side(args, "ours", tokens_file, seed, K))
+            runs += [run_side(args, "ours", tokens_file, seed, K, *s) for s in mine.items()]
         sparsify_runs = [r for r in runs if r["side"] == "sparsify"]
         overall = best(sparsify_runs)
         best_adam = best([r for r in sparsify_runs if settings[r["setting"]]["optimizer"] == "adam"])
-        print(f"sparsify's best: {overall}; with Adam: {best_adam}. The k sweep {args.ks}, seeds {args.sweep_seeds}",
-              flush=True)
+        our_best = ours(args.our_lr, default=args.our_lr == TrainingConfig.lr)[0]
+        print(f"sparsify's best: {overall}; with Adam: {best_adam}; ours: {our_best}. The k sweep {args.ks}, "
+              f"seeds {args.sweep_seeds}", flush=True)
         sweep = [run_side(args, side, tokens_file, seed, k, *named)
                  for seed in args.sweep_seeds for k in args.ks
-                 for side, named in (("sparsify", (overall, settings[overall])), ("ours", ()))]
-    summary = {name: mean_sd([r for r in runs if r["setting"] == name]) for name in settings}
+                 for side, named in (("sparsify", (overall, settings[overall])), ("ours", (our_best, mine[our_best])))]
+    summary = {name: mean_sd([r for r in runs if r["setting"] == name]) for name in [*settings, *mine]}
 
     def brief_run(run: dict) -> dict:
         return {key: run[key] for key in brief if key in run}
 
-    summary["ours"] = mean_sd([r for r in runs if r["side"] == "ours"])
     brief = ("side", "setting", "k", "seed", "fvu", "l0", "dead_pct", "loss_recovered", "kl_divergence",
              "cpu_s_per_1k_tokens", "fvu_conversion_rel_diff")
     results.save({
@@ -376,6 +403,7 @@ def main() -> None:
         "sparsify_versions": args.sparsify_versions,
         "tuning": {"seed": args.seeds[0], "k": K, "runs": [brief_run(r) for r in tuning]},
         "sparsify_settings": settings, "sparsify_best": overall, "sparsify_best_adam": best_adam,
+        "our_settings": mine, "our_best": our_best, "our_clt": ours(args.our_lr, cross_layer=True)[0],
         "runs": runs, "summary": summary,
         "sweep": {"setting": overall, "seeds": args.sweep_seeds, "ks": args.ks,
                   "runs": [brief_run(r) for r in sweep]},

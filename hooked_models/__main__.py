@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, ImportError, OSError, HarvestInProgress) as error:
         if args.debug:
             raise
-        message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        quoted = isinstance(error, KeyError) and type(error).__str__ is KeyError.__str__  # str() quotes
+        message = error.args[0] if quoted and error.args else str(error)
         if reports:
             message = cli_words(str(message))
             if getattr(args, "dataset", None) is not None:  # "the dataset has no rows" -> "--dataset x.npy has ..."

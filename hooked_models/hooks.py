@@ -1,5 +1,6 @@
 """HookPoints that know which standard value they carry, and the printout that shows them."""
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,8 +18,18 @@ class UnknownHookError(KeyError, ValueError):
     """A hook name the model does not have. A KeyError, as TransformerLens raises for a missing name,
     and a ValueError, as every other bad argument here; the message suggests the nearest names."""
 
+    def __init__(self, message: str = "", hint: Callable[[], str] | None = None):
+        super().__init__(message)
+        self._hint = hint  # the nearest names, computed only when the message is read: a caller that
+        # catches the error (`name in cache` on every run_with_cache) pays nothing for them
+
     def __str__(self) -> str:
+        if self._hint is not None:
+            self.args, self._hint = (self.args[0] + self._hint(),), None
         return str(self.args[0]) if self.args else ""  # KeyError's str() would quote the whole message
+
+    def __reduce__(self):  # pickled (Ray) with its message written out, the hint's closure left behind
+        return type(self), (str(self),)
 
 
 def check_hook_write(out: Any, given: torch.Tensor, name: str, value: Value) -> None:

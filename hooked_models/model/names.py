@@ -75,6 +75,16 @@ class HookNames:
         self.hook_dict = {**self.standard_hook_dict,
                           **{alias: self.standard_hook_dict[c] for alias, c in self.aliases.items()}}
 
+    def remove_all_hook_fns(self, direction="both", including_permanent=False, level=None):
+        """TransformerLens's, visiting each HookPoint once (hook_dict lists it under its aliases too) and
+        only those holding hooks: every run_with_hooks and run_with_cache calls it on exit, and the
+        131 visits of the embedded Arcee cost as much as its forward."""
+        if direction not in ("fwd", "bwd", "both"):
+            raise ValueError(f"Invalid direction {direction}")
+        for point in {id(p): p for p in self.hook_dict.values()}.values():
+            if point.fwd_hooks or point.bwd_hooks:
+                point.remove_hooks(direction, including_permanent=including_permanent, level=level)
+
     def resolve_hook_name(self, name: str) -> tuple[str, Value | None]:
         """(standard name, the Value whose layout an alias converts, or None where none is needed)."""
         if name in self.standard_hook_dict:
@@ -83,7 +93,7 @@ class HookNames:
             canonical = self.aliases[name]
             value = getattr(self.standard_hook_dict[canonical], "value", None)
             return canonical, value if value is not None and value.tl_layout else None
-        raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}{self._name_hint(name)}")
+        raise UnknownHookError(f"no hook named {name!r} on {type(self).__name__}", lambda: self._name_hint(name))
 
     def _name_hint(self, name: str) -> str:
         """The values a name means: a synonym's (vocabulary.SYNONYMS: `pattern`, `resid_pre`,

@@ -178,12 +178,11 @@ class Layout:
         if local.shape[-1] < k:
             pad = local.new_full((*local.shape[:-1], k - local.shape[-1]), -torch.inf)
             local = torch.cat([local, pad], dim=-1)
-        candidates = local
-        if self.sharded or (whole_batch and self.world > 1):
-            parts = [torch.empty_like(local) for _ in range(self.world)]
-            dist.all_gather(parts, local.contiguous())
-            candidates = torch.cat(parts, dim=-1)
-        return candidates.topk(k, dim=-1).values[..., -1:]
+        if not (self.sharded or (whole_batch and self.world > 1)):
+            return local[..., -1:]  # topk's values come sorted: the row is whole here, its k-th is the last
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, dim=-1).topk(k, dim=-1).values[..., -1:]
 
     def barrier(self) -> None:
         dist.barrier()

@@ -4,8 +4,11 @@ Each function takes the global batch's statistics it divides by, so that a proce
 tokens (data parallel) or features (feature sharded) adds up, over the processes, to the one-process value.
 """
 
+from dataclasses import dataclass
+
 import torch
-from jaxtyping import Float
+import torch.nn.functional as F
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from hooked_models.transcoders.activation_functions import jumprelu, step
@@ -35,6 +38,33 @@ def activate(kind: str, pre: Float[Tensor, "tokens d_transcoder"], layout: Layou
         acts = torch.relu(pre) * (pre >= kth)
         return acts, kth.clamp(min=0).reshape(())
     raise ValueError(f"activation {kind!r} is not trained here")
+
+
+@dataclass
+class TopKCode:
+    """A token's k kept activations as (values, feature indices): TopK's code without its zeros, so the
+    decoder reads k rows per token instead of multiplying d_transcoder zeros (sparsify's sparse decode)."""
+
+    values: Float[Tensor, "tokens k"]
+    indices: Int[Tensor, "tokens k"]
+    width: int
+
+    def dense(self) -> Float[Tensor, "tokens d_transcoder"]:
+        return self.values.new_zeros(self.values.shape[0], self.width).scatter_(-1, self.indices, self.values)
+
+
+def topk_code(pre: Float[Tensor, "tokens d_transcoder"], k: int) -> TopKCode:
+    """TopK through ReLU as a code: the k largest pre-activations of each whole row (unsharded: a sharded
+    row's k-th is chosen across processes by `activate`). Its gradient reaches only the kept entries."""
+    indices = pre.detach().topk(k, dim=-1, sorted=False).indices
+    return TopKCode(torch.relu(pre.gather(-1, indices)), indices, pre.shape[-1])
+
+
+def decode(acts: "Tensor | TopKCode", W_dec: Float[Tensor, "d_transcoder d_out"]) -> Float[Tensor, "tokens d_out"]:
+    """acts @ W_dec, by an embedding bag (a sum of k decoder rows per token) when acts is a TopK code."""
+    if isinstance(acts, TopKCode):
+        return F.embedding_bag(acts.indices, W_dec, per_sample_weights=acts.values, mode="sum")
+    return acts @ W_dec
 
 
 def total_variance(y: Float[Tensor, "tokens d_out"], layout: Layout) -> Tensor:

@@ -7,8 +7,9 @@ import torch
 
 from hooked_models.transcoders import ModelIdentity, TrainingConfig
 from hooked_models.transcoders.training.distributed import Layout, process_group
-from hooked_models.transcoders.training.losses import activate, fvu, total_variance
-from hooked_models.transcoders.training.objective import after_step, batch_loss
+from hooked_models.transcoders.training import objective
+from hooked_models.transcoders.training.losses import activate, fvu, topk_code, total_variance
+from hooked_models.transcoders.training.objective import SPARSE_DECODE_RATIO, after_step, batch_loss
 from hooked_models.transcoders.training.state import Shard
 from hooked_models.transcoders.training.trainer import lr_factor
 
@@ -44,6 +45,35 @@ def test_fvu_is_sparsifys_definition(group):
     expected = (y[0] - y_hat[0]).pow(2).sum() / (y[0] - y[0].mean(0)).pow(2).sum()  # sparsify's SparseCoder
     measured = fvu(y[0] - y_hat[0], total_variance(y[0], Layout("data", 8)))
     torch.testing.assert_close(measured, expected, rtol=1e-6, atol=0)
+
+
+def test_a_wide_topk_decoded_sparsely_equals_the_dense_hand_computation(group, monkeypatch):
+    """Where the width is at least SPARSE_DECODE_RATIO·k, TopK's rows are decoded as k decoder rows each: the
+    loss and every gradient equal the dense computation by hand (relu of each row's k largest, times W_dec;
+    some rows' kept pre-activations negative)."""
+    config = TrainingConfig(d_transcoder=64, activation="topk", k=2, auxk_alpha=0.0)
+    assert config.d_transcoder >= SPARSE_DECODE_RATIO * config.k
+    shard = untied_shard(config)
+    with torch.no_grad():
+        shard.b_enc(0).sub_(4.0)
+    x, y = batch()
+    codes = []
+    monkeypatch.setattr(objective, "topk_code", lambda *a: codes.append(topk_code(*a)) or codes[-1])
+    result = batch_loss(shard, x, y, config, Layout("data", 64), tokens=32)
+    assert len(codes) == 1 and bool((codes[0].values == 0).any())  # decoded sparsely; some kept values cut
+    result.loss.backward()
+    W_enc, b_enc, W_dec, b_dec = (p.detach().clone().requires_grad_() for p in
+                                  (shard.enc(0), shard.b_enc(0), shard.dec(0, 0), shard.b_dec(0)))
+    pre = x[0] @ W_enc + b_enc
+    kth = pre.detach().sort(-1, descending=True).values[:, 1:2]
+    acts = torch.relu(pre) * (pre >= kth)
+    expected = ((y[0] - acts @ W_dec - b_dec) ** 2).sum() / ((y[0] - y[0].mean(0)) ** 2).sum()
+    expected.backward()
+    torch.testing.assert_close(result.loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(result.acts[0], acts.detach(), rtol=0, atol=0)
+    for mine, theirs in zip((shard.enc(0), shard.b_enc(0), shard.dec(0, 0), shard.b_dec(0)),
+                            (W_enc, b_enc, W_dec, b_dec)):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_auxk_gives_a_planted_dead_feature_a_gradient(group):
