@@ -65,6 +65,21 @@ def _qk_json(graph, nodes: dict) -> list[dict]:
     return out
 
 
+def node_id(graph, i: int) -> str:
+    """Node i's id in the graph file (circuit-tracer's, version 1): `{layer}_{index}_{pos}` for a
+    feature, `{layer}_-1_{pos}` for an error, `E_{token}_{pos}` for an embedding, `{n_layers + 1}_{token}_{pos}`
+    for a logit (a target that is not one token: its negative id). Subgraphs name their nodes by it."""
+    kind = graph.node_kind(i)
+    layer, pos = graph.node_position(i)
+    if kind == "feature":
+        return f"{layer}_{int(graph.active_features[i, 2])}_{pos}"
+    if kind == "error":
+        return f"{layer}_-1_{pos}"
+    if kind == "embedding":
+        return f"E_{int(graph.tokens[pos])}_{pos}"
+    return f"{graph.n_layers + 1}_{int(graph.logit_tokens[i - graph.logit_start])}_{pos}"
+
+
 def json_node(graph, i: int) -> dict:
     """Node i as the viewer reads it (circuit-tracer's `Node`)."""
     kind = graph.node_kind(i)
@@ -76,22 +91,22 @@ def json_node(graph, i: int) -> dict:
         feature = int(graph.active_features[i, 2])
         # The viewer's feature id: Cantor's pairing of (layer, index), one integer per feature.
         paired = (layer + feature) * (layer + feature + 1) // 2 + feature
-        node.update(node_id=f"{layer}_{feature}_{pos}", feature=paired, layer=str(layer),
+        node.update(node_id=node_id(graph, i), feature=paired, layer=str(layer),
                     feature_type=FEATURE_TYPES[0], jsNodeId=f"{layer}_{feature}-0",
                     activation=float(graph.activation_values[i]))
     elif kind == "error":
         # Index -1, never a feature's, so that no error id aliases a feature's.
-        node.update(node_id=f"{layer}_-1_{pos}", feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
+        node.update(node_id=node_id(graph, i), feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
                     jsNodeId=f"{layer}_-1-{pos}")
     elif kind == "embedding":
         token = int(graph.tokens[pos])
-        node.update(node_id=f"E_{token}_{pos}", feature=pos, layer="E", feature_type=FEATURE_TYPES[2],
+        node.update(node_id=node_id(graph, i), feature=pos, layer="E", feature_type=FEATURE_TYPES[2],
                     jsNodeId=f"E_{token}-{pos}")
     else:
         k = i - graph.logit_start
         token, prob = int(graph.logit_tokens[k]), float(graph.logit_probabilities[k])
         layer = str(graph.n_layers + 1)
-        node.update(node_id=f"{layer}_{token}_{pos}", feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
+        node.update(node_id=node_id(graph, i), feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
                     jsNodeId=f"L_{token}-{pos}", token_prob=prob, is_target_logit=k == 0,
                     clerp=f'Output "{graph.logit_text(k)}" (p={prob:.3f})')
     return node
