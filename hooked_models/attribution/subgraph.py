@@ -81,7 +81,7 @@ class Subgraph:
     `sg_pos`, and any key a viewer added), kept as they were."""
 
     def __init__(self, graph, supernodes: Mapping | Iterable = (), pinned: Iterable = (),
-                 labels: Mapping[tuple[int, int], str] | None = None, *, view: Mapping | None = None):
+                 labels: Mapping | None = None, *, view: Mapping | None = None):
         self.graph = graph
         self._ids = [export.node_id(graph, i) for i in range(graph.n_nodes)]
         self._index = {node: i for i, node in enumerate(self._ids)}
@@ -187,7 +187,7 @@ class Subgraph:
         """The graph's linear prediction of scaling part `name`'s members by `scale`: each part's change
         (`linear_response`, summed over its members) and each output node's."""
         change = linear_response(self.graph, {i: scale for i in self.part(name).nodes})
-        return self.membership() @ change, change[self.graph.logit_start:]
+        return self.membership().double() @ change, change[self.graph.logit_start:]
 
     # ------------------------------------------------------------------------------- files, plot
     def qparams(self) -> dict:

@@ -73,7 +73,7 @@ class SupernodeInterventions:
         return "\n".join(lines)
 
 
-def intervene_supernodes(model, prompt, transcoders, subgraph, scales: Iterable[float] = (-1.0, 0.0, 2.0), *,
+def intervene_supernodes(model, prompt, transcoders, subgraph, scales=(-1.0, 0.0, 2.0), *,
                          parts: Sequence[str] | None = None, modes: Sequence[str] = ("frozen", "free"),
                          logit_diff: tuple | None = None, batch_size: int | None = None,
                          progress: ProgressArg = False) -> SupernodeInterventions:
