@@ -231,9 +231,10 @@ class Subgraph:
 
     def neuronpedia(self, slug: str, display_name: str = "") -> dict:
         """The body of Neuronpedia's `POST /api/graph/subgraph/save` for this subgraph of the graph
-        uploaded as `slug` (its `clerps` keyed per node, `{layer}_{feature number}_{position}`)."""
+        uploaded as `slug` (its `clerps` keyed per node, `{layer}_{feature number}_{position}`: a label
+        goes to each of the graph's nodes of its feature)."""
         clerps = [[f"{layer}_{subgraph_files.cantor(layer, feature)}_{pos}", self.labels[(layer, feature)]]
-                  for layer, feature, pos in self._pinned_features() if (layer, feature) in self.labels]
+                  for layer, pos, feature in self.graph.active_features.tolist() if (layer, feature) in self.labels]
         return {"modelId": self.graph.model_name or "hooked_models", "slug": slug, "displayName": display_name,
                 "pinnedIds": list(self.pinned), "supernodes": [[g.name, *g.members] for g in self.supernodes],
                 "clerps": clerps, "pruningThreshold": self.graph.node_threshold, "densityThreshold": None}
@@ -251,14 +252,6 @@ class Subgraph:
             if labels.setdefault(key, label) != label:
                 raise ValueError(f"feature {key} has two labels, {labels[key]!r} and {label!r}")
         return cls(graph, [(s[0], s[1:]) for s in body["supernodes"]], body["pinnedIds"], labels)
-
-    def _pinned_features(self) -> list[tuple[int, int, int]]:
-        out = []
-        for node in self.pinned:
-            i = self._index[node]
-            if self.graph.node_kind(i) == "feature":
-                out.append(tuple(self.graph.active_features[i].tolist()))
-        return out
 
     def plot(self, path=None, ax=None, title: str | None = None):
         """The graph of the parts, as the biology paper draws one: each part at its members' mean layer

@@ -100,18 +100,18 @@ def test_scale_one_moves_nothing(setup):
 
 def test_frozen_small_interventions_move_everything_as_the_graph_predicts(setup):
     """Each part scaled by 0.99 (attention frozen): every other part's change (features, an error and an
-    embedding among the members) and every output's equal the graph's linear prediction within 1e-5 of
-    the largest clean value (float32 rounding of the norms, which compute in float32, ~1e-7 of the values
-    they round); the changes themselves are 100x that and more. Free-running: reported, not asserted."""
+    embedding among the members) and every output's equal the graph's linear prediction within 1e-6 of
+    the largest clean value (float32 rounding: the norms compute in float32, ~1e-7 of the values they
+    round; measured at most 1.2e-6 against a bound of 4.8e-6), and the changes are 1000x that and more.
+    Free-running: reported, not asserted."""
     model, tcs, tokens, graph, sub = setup
     table = intervene_supernodes(model, tokens, tcs, sub, scales=(0.99,), logit_diff=(int(graph.logit_tokens[0]),
                                                                                       int(graph.logit_tokens[1])))
     frozen = _rows(table, mode="frozen")
-    bound = 1e-5 * max(abs(r.clean) for r in frozen)
+    bound = 1e-6 * max(abs(r.clean) for r in frozen)
     worst = max(abs(r.measured - r.predicted) for r in frozen)
-    print(f"worst {worst:.3g}, bound {bound:.3g}, largest change {max(abs(r.measured) for r in frozen):.3g}")
     assert worst <= bound, (worst, bound)
-    assert max(abs(r.measured) for r in frozen) > 100 * bound
+    assert max(abs(r.measured) for r in frozen) > 1000 * bound
     assert {r.intervened for r in frozen} == {"early", "one", "late"}  # the logit alone is only measured
     diff = _rows(table, mode="frozen", intervened="early", outcome=next(r.outcome for r in frozen if " - " in r.outcome))
     tokens_rows = [_rows(table, mode="frozen", intervened="early", outcome=f"logit {graph.logit_text(k)!r}")[0] for k in (0, 1)]
