@@ -5,6 +5,7 @@ other part's change measured beside the graph's prediction. Functions of the obj
 (`Subgraph.plot`, `SupernodeInterventions.plot` call them)."""
 
 import os
+from pathlib import Path
 
 from hooked_models.attribution.export import EDGE_COLOURS
 
@@ -63,6 +64,7 @@ def plot_subgraph(subgraph, path: "str | os.PathLike | None" = None, ax=None, ti
                           f"nodes {share.nodes:.0%}, paths {share.paths:.0%}", fontsize=9)
     fig.tight_layout()
     if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
 
@@ -98,5 +100,6 @@ def plot_interventions(table, path: "str | os.PathLike | None" = None, mode: str
     fig.suptitle(f"interventions ({table.describe(mode)})", fontsize=9)
     fig.tight_layout()
     if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
