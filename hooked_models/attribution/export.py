@@ -65,19 +65,24 @@ def _qk_json(graph, nodes: dict) -> list[dict]:
     return out
 
 
+def node_fields(graph, i: int) -> tuple[str, int | None, int, int | None]:
+    """(kind, layer, position, index) of node i: index a feature's index, an embedding's or logit's
+    token (a target that is not one token: its negative id), None for an error."""
+    kind = graph.node_kind(i)
+    layer, pos = graph.node_position(i)
+    index = {"feature": lambda: int(graph.active_features[i, 2]), "error": lambda: None,
+             "embedding": lambda: int(graph.tokens[pos]),
+             "logit": lambda: int(graph.logit_tokens[i - graph.logit_start])}[kind]()
+    return kind, layer, pos, index
+
+
 def node_id(graph, i: int) -> str:
     """Node i's id in the graph file (circuit-tracer's, version 1): `{layer}_{index}_{pos}` for a
     feature, `{layer}_-1_{pos}` for an error, `E_{token}_{pos}` for an embedding, `{n_layers + 1}_{token}_{pos}`
     for a logit (a target that is not one token: its negative id). Subgraphs name their nodes by it."""
-    kind = graph.node_kind(i)
-    layer, pos = graph.node_position(i)
-    if kind == "feature":
-        return f"{layer}_{int(graph.active_features[i, 2])}_{pos}"
-    if kind == "error":
-        return f"{layer}_-1_{pos}"
-    if kind == "embedding":
-        return f"E_{int(graph.tokens[pos])}_{pos}"
-    return f"{graph.n_layers + 1}_{int(graph.logit_tokens[i - graph.logit_start])}_{pos}"
+    kind, layer, pos, index = node_fields(graph, i)
+    return {"feature": f"{layer}_{index}_{pos}", "error": f"{layer}_-1_{pos}", "embedding": f"E_{index}_{pos}",
+            "logit": f"{graph.n_layers + 1}_{index}_{pos}"}[kind]
 
 
 def json_node(graph, i: int) -> dict:
