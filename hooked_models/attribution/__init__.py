@@ -9,22 +9,36 @@
     pruned.scores()                                     # (replacement score, completeness score)
     pruned.to_json("graph.json"); pruned.plot("graph.png"); AttributionGraph.from_json("graph.json")
     feature_intervention(model, prompt, transcoders, [(layer, pos, feature, value)]) -> logits
+    feature_steering(model, prompt, transcoders, [(layer, pos, feature, strength)])  # + decoder row; _generate
+    sub = Subgraph(graph, supernodes={"say Mary": ["1_37_15", ...]}, pinned=[...])   # parts, edges, influence
+    sub.save("graph.json"); Subgraph.load("graph.json", graph)  # the viewer's qParams in the graph file
+    intervene_supernodes(model, prompt, transcoders, sub, scales=(-1, 0, 2))  # measured beside predicted
 
 Laid out as circuit-tracer's `attribution/` and `graph.py`, one concern per module, each importing only
-those listed after it (the contract in pyproject.toml): attribute (`attribute`) | intervention
-(`feature_intervention`, `feature_intervention_generate`); attention (per-head loadings and QK, from one
-decomposition); graph (nodes, pruning, scores) | heads (the loadings' reader) | decomposition (the
-forward decomposition of the residual stream) | targets (output nodes, the rows' input directions);
-export (graph files, the drawing); qk (the QK reader and its tables) | replacement (the replacement
-model and its freezing).
+those listed after it (the contract in pyproject.toml): supernode_intervention (`intervene_supernodes`);
+attribute (`attribute`) | intervention (`feature_intervention`, `feature_intervention_generate`, steering,
+the batched replacement run); attention (per-head loadings and QK, from one decomposition) | subgraph
+(`Subgraph`: pinned nodes, supernodes, their edges, influence and linear prediction); graph (nodes,
+pruning, scores) | heads (the loadings' reader) | decomposition (the forward decomposition of the
+residual stream) | targets (output nodes, the rows' input directions); subgraph_files (a subgraph as a
+graph file's qParams) | subgraph_plot (the subgraph and intervention figures); export (graph files, the
+drawing); qk (the QK reader and its tables) | replacement (the replacement model and its freezing).
 """
 
 from hooked_models.attribution.attribute import attribute
 from hooked_models.attribution.export import FEATURE_TYPES
 from hooked_models.attribution.graph import AttributionGraph
-from hooked_models.attribution.intervention import feature_intervention, feature_intervention_generate
+from hooked_models.attribution.intervention import (
+    feature_intervention,
+    feature_intervention_generate,
+    feature_steering,
+    feature_steering_generate,
+)
 from hooked_models.attribution.qk import QKTable
+from hooked_models.attribution.subgraph import InfluenceShare, Subgraph, Supernode, linear_response
+from hooked_models.attribution.supernode_intervention import MODES, SupernodeInterventions, intervene_supernodes
 from hooked_models.attribution.targets import CustomTarget
 
-__all__ = ["FEATURE_TYPES", "AttributionGraph", "CustomTarget", "QKTable", "attribute", "feature_intervention",
-           "feature_intervention_generate"]
+__all__ = ["FEATURE_TYPES", "MODES", "AttributionGraph", "CustomTarget", "InfluenceShare", "QKTable", "Subgraph",
+           "SupernodeInterventions", "Supernode", "attribute", "feature_intervention", "feature_intervention_generate",
+           "feature_steering", "feature_steering_generate", "intervene_supernodes", "linear_response"]

@@ -65,6 +65,26 @@ def _qk_json(graph, nodes: dict) -> list[dict]:
     return out
 
 
+def node_fields(graph, i: int) -> tuple[str, int | None, int, int | None]:
+    """(kind, layer, position, index) of node i: index a feature's index, an embedding's or logit's
+    token (a target that is not one token: its negative id), None for an error."""
+    kind = graph.node_kind(i)
+    layer, pos = graph.node_position(i)
+    index = {"feature": lambda: int(graph.active_features[i, 2]), "error": lambda: None,
+             "embedding": lambda: int(graph.tokens[pos]),
+             "logit": lambda: int(graph.logit_tokens[i - graph.logit_start])}[kind]()
+    return kind, layer, pos, index
+
+
+def node_id(graph, i: int) -> str:
+    """Node i's id in the graph file (circuit-tracer's, version 1): `{layer}_{index}_{pos}` for a
+    feature, `{layer}_-1_{pos}` for an error, `E_{token}_{pos}` for an embedding, `{n_layers + 1}_{token}_{pos}`
+    for a logit (a target that is not one token: its negative id). Subgraphs name their nodes by it."""
+    kind, layer, pos, index = node_fields(graph, i)
+    return {"feature": f"{layer}_{index}_{pos}", "error": f"{layer}_-1_{pos}", "embedding": f"E_{index}_{pos}",
+            "logit": f"{graph.n_layers + 1}_{index}_{pos}"}[kind]
+
+
 def json_node(graph, i: int) -> dict:
     """Node i as the viewer reads it (circuit-tracer's `Node`)."""
     kind = graph.node_kind(i)
@@ -76,22 +96,22 @@ def json_node(graph, i: int) -> dict:
         feature = int(graph.active_features[i, 2])
         # The viewer's feature id: Cantor's pairing of (layer, index), one integer per feature.
         paired = (layer + feature) * (layer + feature + 1) // 2 + feature
-        node.update(node_id=f"{layer}_{feature}_{pos}", feature=paired, layer=str(layer),
+        node.update(node_id=node_id(graph, i), feature=paired, layer=str(layer),
                     feature_type=FEATURE_TYPES[0], jsNodeId=f"{layer}_{feature}-0",
                     activation=float(graph.activation_values[i]))
     elif kind == "error":
         # Index -1, never a feature's, so that no error id aliases a feature's.
-        node.update(node_id=f"{layer}_-1_{pos}", feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
+        node.update(node_id=node_id(graph, i), feature=-1, layer=str(layer), feature_type=FEATURE_TYPES[1],
                     jsNodeId=f"{layer}_-1-{pos}")
     elif kind == "embedding":
         token = int(graph.tokens[pos])
-        node.update(node_id=f"E_{token}_{pos}", feature=pos, layer="E", feature_type=FEATURE_TYPES[2],
+        node.update(node_id=node_id(graph, i), feature=pos, layer="E", feature_type=FEATURE_TYPES[2],
                     jsNodeId=f"E_{token}-{pos}")
     else:
         k = i - graph.logit_start
         token, prob = int(graph.logit_tokens[k]), float(graph.logit_probabilities[k])
         layer = str(graph.n_layers + 1)
-        node.update(node_id=f"{layer}_{token}_{pos}", feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
+        node.update(node_id=node_id(graph, i), feature=token, layer=layer, feature_type=FEATURE_TYPES[3],
                     jsNodeId=f"L_{token}-{pos}", token_prob=prob, is_target_logit=k == 0,
                     clerp=f'Output "{graph.logit_text(k)}" (p={prob:.3f})')
     return node

@@ -93,16 +93,11 @@ class AttributionGraph:
     def node_name(self, i: int) -> str:
         """A name over the vocabulary: `layers.1.mlp.feature.37@4`, `layers.1.mlp.error@4`,
         `embedding@4`, `logits.523@7` (token 523 at the last position)."""
-        kind = self.node_kind(i)
-        layer, pos = self.node_position(i)
-        if kind == "feature":
-            return f"layers.{layer}.mlp.feature.{int(self.active_features[i, 2])}@{pos}"
-        if kind == "error":
-            return f"layers.{layer}.mlp.error@{pos}"
-        if kind == "embedding":
-            return f"embedding@{pos}"
-        token = int(self.logit_tokens[i - self.logit_start])
-        return f"logits.{token}@{pos}" if token >= 0 else f"target.{self.logit_text(i - self.logit_start)}@{pos}"
+        kind, layer, pos, index = export.node_fields(self, i)
+        if kind == "logit" and index < 0:
+            return f"target.{self.logit_text(i - self.logit_start)}@{pos}"
+        return {"feature": f"layers.{layer}.mlp.feature.{index}@{pos}", "error": f"layers.{layer}.mlp.error@{pos}",
+                "embedding": f"embedding@{pos}", "logit": f"logits.{index}@{pos}"}[kind]
 
     @property
     def nodes(self) -> list[str]:
