@@ -58,14 +58,20 @@ def resolve_model(model, family, dtype, engine: str):
 def model_identity(model) -> dict:
     """What makes two models the same for a harvest: family, config fields and a weights fingerprint
     (every tensor's name, shape, dtype and up to 1024 evenly spaced elements)."""
+    return {"family": type(model).__name__, "config": _jsonable(model.cfg), "weights": weights_digest(model)}
+
+
+def weights_digest(module) -> str:
+    """A fingerprint of a module's weights: every tensor's name, shape, dtype and up to 1024 evenly spaced
+    elements (cheap at any size, and different for any two trainings or random draws)."""
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in module.state_dict().items():
         flat = tensor.detach().reshape(-1)
         spaced = torch.linspace(0, flat.numel() - 1, min(1024, flat.numel()), dtype=torch.float64).long()
         sample = flat[spaced.to(flat.device)]
         digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
         digest.update(sample.float().cpu().numpy().tobytes())
-    return {"family": type(model).__name__, "config": _jsonable(model.cfg), "weights": digest.hexdigest()}
+    return digest.hexdigest()
 
 
 def _jsonable(value):

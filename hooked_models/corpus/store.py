@@ -125,13 +125,14 @@ class HarvestInProgress(RuntimeError):
 
 
 @contextmanager
-def locked(out: Path):
-    """One harvest at a time per directory (a killed one leaves no lock: the kernel drops it)."""
+def locked(out: Path, what: str = "harvest"):
+    """One run at a time per directory (a killed one leaves no lock: the kernel drops it); `what` names
+    the kind of run in the refusal."""
     with open(out / ".lock", "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise HarvestInProgress(f"another harvest is writing to {out}; wait for it to finish, or harvest "
+            raise HarvestInProgress(f"another {what} is writing to {out}; wait for it to finish, or write "
                                     "into another directory") from None
         yield
 
