@@ -16,14 +16,16 @@ from hooked_models.attribution.qk import QKTable
 FEATURE_TYPES = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit")
 
 
-def write_json(graph, path: "str | os.PathLike", slug: str | None = None, features=None, labels=None) -> Path:
+def write_json(graph, path: "str | os.PathLike", slug: str | None = None, features=None, labels=None,
+               annotate=None) -> Path:
     """Write a pruned graph (`node_mask` and `edge_mask` set) in circuit-tracer's graph-file schema: the
     kept nodes and edges (what the viewer draws) and the QK tables (`qk_attributions`, a key the viewer
     ignores; the explorer gives each link its per-head split from the side file). What `from_json` needs
     for the rest (the whole adjacency, the loadings, the QK vectors) goes beside it, in
     `<stem>.tensors.safetensors`, its name under `hooked_models`; the JSON itself grows with the kept graph
     only. With `features` (a statistics result), its features' files beside it and its nodes labelled
-    (`features.circuit_tracer_files`)."""
+    (`features.circuit_tracer_files`). `annotate(data, nodes)`: called with the file's dict and the kept
+    nodes by index before it is written, to add keys of its own (an aggregate's spread over prompts)."""
     path = Path(path)
     slug = slug or path.stem
     nodes = {i: json_node(graph, i) for i in graph.node_mask.nonzero().flatten().tolist()}
@@ -49,6 +51,8 @@ def write_json(graph, path: "str | os.PathLike", slug: str | None = None, featur
         from hooked_models.features.circuit_tracer_files import write_beside_graph
 
         data = write_beside_graph(data, path, features, labels)
+    if annotate is not None:
+        annotate(data, nodes)
     path.write_text(json.dumps(data))
     return path
 
