@@ -115,10 +115,11 @@ def _columns(dataset) -> dict[str, list]:
 
         opened = open_dataset(dataset)
         dataset = {name: list(opened[name]) for name in opened.column_names}
-    lengths = {name: len(values) for name, values in dataset.items()}
+    columns = {name: list(values) for name, values in dataset.items()}
+    lengths = {name: len(values) for name, values in columns.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"the dataset's columns differ in length: {lengths}")
-    return dict(dataset)
+    return columns
 
 
 def dataset_prompts(model, dataset) -> list[dict]:

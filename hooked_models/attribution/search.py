@@ -19,7 +19,7 @@ def graph_features(store: GraphStore, i: int, kept: bool = True) -> set[tuple[in
     """Graph i's features as (layer, feature, position): those its file keeps, or (kept=False) all."""
     data = store.graph_json(i)
     if not kept:
-        return {tuple(f) for f in data["hooked_models"]["active_features"]}
+        return {(layer, feature, pos) for layer, pos, feature in data["hooked_models"]["active_features"]}
     # A feature's node id is "{layer}_{feature}_{position}" (export.json_node); errors have feature -1.
     return {tuple(int(x) for x in n["node_id"].split("_")) for n in data["nodes"]
             if n["feature_type"] == "cross layer transcoder"}

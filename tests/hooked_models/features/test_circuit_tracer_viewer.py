@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -117,19 +118,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@needs_ct
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
-def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
+needs_viewer = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+
+
+@contextmanager
+def circuit_tracer_viewer(data_dir: Path, slug: str):
+    """circuit-tracer's local viewer (its `serve`, in the side environment) over `data_dir`, and a chromium
+    page (Playwright) on graph `slug` once its nodes are drawn: yields (page, errors), the page's uncaught
+    errors. Its CDN scripts are routed to the npm copies (the module docstring)."""
     playwright = pytest.importorskip("playwright.sync_api")
     if not (LIBS / "d3-collection").is_dir():
         installed = subprocess.run(["bash", str(ROOT / ".ci" / "viewer-libs.sh")], capture_output=True, text=True)
         if installed.returncode:
             pytest.skip(f"the viewer's scripts could not be installed from npm: {installed.stderr[-300:]}")
-    out, path, stats, (layer, feature) = labelled_graph
     port = _free_port()
     serve = ("import sys, time\nfrom circuit_tracer.frontend.local_server import serve\n"
              "serve(data_dir=sys.argv[1], port=int(sys.argv[2]))\nwhile True: time.sleep(1)")
-    server = subprocess.Popen([str(CT_PYTHON), "-c", serve, str(out), str(port)], stderr=subprocess.PIPE)
+    server = subprocess.Popen([str(CT_PYTHON), "-c", serve, str(data_dir), str(port)], stderr=subprocess.PIPE)
     routes = {"d3.js": LIBS / "d3/dist/d3.min.js", "dagre.min.js": LIBS / "dagre/dist/dagre.min.js",
               "pako.min.js": LIBS / "pako/dist/pako.min.js"}
     jetpack = "\n".join([(LIBS / "d3-collection/dist/d3-collection.min.js").read_text(),
@@ -159,22 +164,30 @@ def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.route(lambda url: not url.startswith(f"http://localhost:{port}"), route)
-            page.goto(f"http://localhost:{port}/index.html?slug=ioi")
+            page.goto(f"http://localhost:{port}/index.html?slug={slug}")
             page.wait_for_selector("text.node", timeout=90_000)  # the server gzips the graph first
-            nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
-            wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
-                          and node_id.startswith(f"{layer}_{feature}_"))
-            page.locator("text.node").nth(wanted).click(force=True)
-            page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
-            listed = page.inner_text(".feature-example-list")
-            clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
-            page.screenshot(path=str(tmp_path / "circuit-tracer-viewer.png"))
-            if shot := os.environ.get("FEATURES_SCREENSHOTS"):
-                page.screenshot(path=str(Path(shot) / "circuit-tracer-viewer.png"))
+            yield page, errors
             browser.close()
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@needs_ct
+@needs_viewer
+def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
+    out, path, stats, (layer, feature) = labelled_graph
+    with circuit_tracer_viewer(out, "ioi") as (page, errors):
+        nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
+        wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
+                      and node_id.startswith(f"{layer}_{feature}_"))
+        page.locator("text.node").nth(wanted).click(force=True)
+        page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
+        listed = page.inner_text(".feature-example-list")
+        clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+        page.screenshot(path=str(tmp_path / "circuit-tracer-viewer.png"))
+        if shot := os.environ.get("FEATURES_SCREENSHOTS"):
+            page.screenshot(path=str(Path(shot) / "circuit-tracer-viewer.png"))
     top = stats[layer].top_windows(feature)[0]
     assert "Top activations" in listed and "Subsample interval 0" in listed
     # our window's tokens, as the viewer shows them (its own whitespace rendering aside)
