@@ -251,6 +251,7 @@ def test_the_aggregate_equals_a_brute_force_pass_over_the_files(store, align, tm
     assert {node.key for node in agg.recurring()} == recurring and recurring
     assert {e["key"] for e in agg.exceptions()} == {k for k in recurring if agg.nodes[k].absent() or agg.nodes[k].reversed()}
     assert any(len(rows) < n for k, rows in nodes.items() if k in recurring)  # an exception to find
+    assert any(agg.nodes[k].reversed() for k in nodes)  # and a reversal
 
 
 def test_the_aggregate_graph_file_carries_each_nodes_spread(store, tmp_path):
