@@ -537,6 +537,29 @@ def attribution_scale_table(name: str = "attribution_scale") -> str:
     return key_value_table(rows, r)
 
 
+def attribution_dataset_table() -> str:
+    """docs/guide/attribution-over-a-dataset.md's and benchmarks/README.md's runs of `attribute_dataset`."""
+    r = load("attribution_dataset")
+    f = r["figures"]
+    e, a, m = f["embedded"], f["random_arcee"], f["memory"]
+    lines = ["| model, prompts | engine | wall | graphs / s | store per graph |", "|---|---|---:|---:|---:|"]
+    for engine, run in e["runs"].items():
+        lines.append(f"| embedded Arcee, {e['prompts']:,} IOI pairs (16 tokens, every feature: "
+                     f"{e['features_graph_0']} in the first; head loadings, QK) | {engine} | {run['wall_s']:.0f} s | "
+                     f"{run['graphs_per_s']:.2f} | {e['bytes_per_graph'] / 2**20:.2f} MiB |")
+    lines.append(f"| random 8 x 1024 Arcee, {a['prompts']:,} random prompts of {a['seq']} tokens ({a['d_transcoder']:,} "
+                 f"TopK features per layer, k {a['k']}; {a['options']['max_feature_nodes']} features a graph) | local | "
+                 f"{a['wall_s']:.0f} s | {a['graphs_per_s']:.3f} | {a['bytes_per_graph'] / 2**20:.2f} MiB |")
+    x1, x4 = m["1x"], m["4x"]
+    same = {True: "identical bytes", False: "**not** identical", None: "not compared"}[e["identical_stores"]]
+    lines += ["", f"Ray's store and the local one: {same}. Peak memory of a local run (fresh process, VmHWM): "
+              f"{x1['peak_bytes'] / 2**20:.0f} MiB over {x1['prompts']} prompts, {x4['peak_bytes'] / 2**20:.0f} MiB "
+              f"over {x4['prompts']} (**{m['peak_ratio_4x_over_1x']:.3f}x**). Wall clock on {threads(1)}, measured "
+              f"{when(r)}; Ray's time includes its workers' start and load (2 workers on the machine's "
+              f"{r['machine']['cores']} cores)."]
+    return "\n".join(lines)
+
+
 def explorer_load_table() -> str:
     r = load("explorer_load")
     f = r["figures"]
@@ -977,6 +1000,7 @@ PARTS = {
     "attribution-scale": attribution_scale_table,
     "attribution-alpha-er": lambda: attribution_scale_table("attribution_alpha_er"),
     "explorer-load": explorer_load_table,
+    "attribution-dataset": attribution_dataset_table,
     "training-afm": afm_training_table,
     "training-afm-sharded": afm_sharded_table,
     "training-plan-sizes": afm_plan_sizes,

@@ -40,7 +40,7 @@ from hooked_models.attribution.store import (
 )
 from hooked_models.corpus.engines import Worker, check_engine, run
 from hooked_models.corpus.source import model_identity, resolve_model
-from hooked_models.corpus.store import locked
+from hooked_models.corpus.store import check_out, locked
 from hooked_models.progress import ProgressArg, tracker
 from hooked_models.transcoders import load_transcoders
 
@@ -202,15 +202,7 @@ def attribute_dataset(model, dataset, transcoders, out: "str | os.PathLike", *, 
     check_engine(engine, num_workers)
     settings = _settings(options)
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out={str(out)!r} is a file, not a directory")
-    if out.is_dir() and set(out.iterdir()) - {*leftovers(out), out / ".lock"}:
-        if not resume:
-            raise ValueError(f"out={str(out)!r} is not empty; pass resume=True to continue the store there, "
-                             "or give an empty directory")
-        if not (out / INDEX).is_file():
-            raise ValueError(f"out={str(out)!r} is not empty and holds no graph store ({INDEX}); give an empty "
-                             "directory")
+    check_out(out, resume, [*leftovers(out), out / ".lock"] if out.is_dir() else [], INDEX, "graph store")
     if engine == "ray" and not isinstance(transcoders, (str, os.PathLike)):
         raise ValueError("engine='ray' loads the transcoders in each worker from a path; pass their directory "
                          "(transcoders.save(dir) writes one), or use engine='local'")

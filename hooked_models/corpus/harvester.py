@@ -24,6 +24,7 @@ from hooked_models.corpus.store import (
     SHARD_FILE,
     WINDOWS,
     Manifest,
+    check_out,
     clear_leftovers,
     finish,
     leftovers,
@@ -241,15 +242,7 @@ def harvest(
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name}={size!r} must be a positive integer")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out={str(out)!r} is a file, not a directory")
-    if out.is_dir() and set(out.iterdir()) - set(leftovers(out)):
-        if not resume:
-            raise ValueError(f"out={str(out)!r} is not empty; pass resume=True to continue the harvest there, "
-                             "or give an empty directory")
-        if not (out / MANIFEST).exists():
-            raise ValueError(f"out={str(out)!r} is not empty and holds no harvest ({MANIFEST}); "
-                             "give an empty directory")
+    check_out(out, resume, leftovers(out) if out.is_dir() else [], MANIFEST, "harvest")
     model, source = resolve_model(model, family, dtype, engine)
     names = _names(model, names)
     corpus = read_corpus(dataset, column)

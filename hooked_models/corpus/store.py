@@ -111,6 +111,20 @@ def leftovers(out: Path) -> list[Path]:
             if p.name in (".lock", ".tmp") or p.name.startswith(f".{MANIFEST}.") or p.name.endswith(".partial")]
 
 
+def check_out(out: Path, resume: bool, ignored: list[Path], marker: str, what: str) -> None:
+    """Refuse an `out` that is a file, or that holds anything but `ignored` (a killed run's temporaries) and
+    is not a `what` (no `marker` file in it), or that is not empty when `resume` is False."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file, not a directory")
+    if out.is_dir() and set(out.iterdir()) - set(ignored):
+        if not resume:
+            raise ValueError(f"out={str(out)!r} is not empty; pass resume=True to continue the {what} there, "
+                             "or give an empty directory")
+        if not (out / marker).exists():
+            raise ValueError(f"out={str(out)!r} is not empty and holds no {what} ({marker}); "
+                             "give an empty directory")
+
+
 def clear_leftovers(out: Path) -> None:
     """Delete a killed harvest's temporaries (the lock held, so no other harvest is writing them)."""
     for path in leftovers(out):
