@@ -33,6 +33,7 @@ from hooked_models.attribution import (
     graphs_containing,
 )
 from hooked_models.embedded.task import make_ioi_prompts
+from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.progress import Cancelled
 from hooked_models.transcoders import load_transcoders
 
@@ -275,6 +276,7 @@ def test_the_aggregate_graph_file_carries_each_nodes_spread(store, tmp_path):
         rows = edges[(ids[link["source"]], ids[link["target"]])]
         assert link["weight"] == pytest.approx(np.mean([w for _, w in rows]), rel=1e-6)
         assert link["hooked_models_aggregate"]["count"] == len(rows)
+    GraphFile.model_validate(data).checked()  # the explorer's reader of circuit-tracer's schema takes it
     back = AttributionGraph.from_json(path)  # the file reads back as a graph
     assert back.n_features == len(features) and back.str_tokens == [agg.column_label(c) for c in agg.column_order()]
 
