@@ -254,7 +254,7 @@ class Aggregate:
     # ----------------------------------------------------------------------------- the graph file
     def graph(self, min_fraction: float | None = None) -> tuple[AttributionGraph, dict[int, tuple]]:
         """The aggregate as an AttributionGraph over the columns, pruned to the recurring features and
-        errors (with every embedding and output): each node's activation and influence their means, each
+        errors linked to another kept node (with every embedding and output): each node's activation and influence their means, each
         edge between kept nodes its mean weight; and each node's key by index."""
         fraction = self.min_fraction if min_fraction is None else min_fraction
         order = self.column_order()
@@ -278,7 +278,17 @@ class Aggregate:
         node_mask = torch.tensor([keys[i] in self.nodes and (keys[i][0] != "error" or self.nodes[keys[i]].frequency
                                                              >= fraction) for i in range(n)])
         node_mask[start:] = True
-        influence = torch.tensor([self.nodes[keys[i]].mean() if keys[i] in self.nodes else 0.0 for i in range(n)])
+        # Links between the nodes kept; a feature or error with none is left out, as `to_json` leaves it out.
+        edge_mask &= node_mask[:, None] & node_mask[None, :]
+        node_mask &= edge_mask.any(0) | edge_mask.any(1)
+        node_mask[start:] = True
+        # The viewers read a node's `influence` as circuit-tracer's cumulative share (its pruning slider):
+        # here of the nodes' mean influences; each node's mean itself is in its spread.
+        influence = torch.tensor([self.nodes[keys[i]].mean() if node_mask[i] else 0.0 for i in range(n)],
+                                 dtype=torch.float64)
+        ranked = influence.argsort(descending=True)
+        cumulative = torch.zeros_like(influence)
+        cumulative[ranked] = influence[ranked].cumsum(0) / influence.sum().clamp(min=1e-30)
         outputs = [self._output(r, at) for r in ranks]
         tokens = [self.columns[c].most_common(1)[0][0][0] for c in order]
         graph = AttributionGraph(
@@ -291,7 +301,7 @@ class Aggregate:
             str_tokens=[self.column_label(c) for c in order], model_name=self.store.index["model"]["family"],
             transcoder_names=self.store.index["transcoders"]["names"], logit_str_tokens=[o[2] for o in outputs],
             logit_positions=torch.tensor([o[3] for o in outputs], dtype=torch.long),
-            node_mask=node_mask, edge_mask=edge_mask, cumulative_influence=influence.float(),
+            node_mask=node_mask, edge_mask=edge_mask, cumulative_influence=cumulative.float(),
             node_threshold=self.node_threshold)
         return graph, keys
 

@@ -262,15 +262,24 @@ def test_the_aggregate_graph_file_carries_each_nodes_spread(store, tmp_path):
     data = json.loads(path.read_text())
     assert data["metadata"]["hooked_models_aggregate"]["n_graphs"] == N_PROMPTS
     features = [n for n in data["nodes"] if n["feature_type"] == "cross layer transcoder"]
-    assert {("feature", int(n["layer"]), int(n["node_id"].split("_")[1]), n["ctx_idx"]) for n in features} == {
-        node.key for node in agg.recurring()}
+    # The recurring features and errors, every embedding and the output: those of them with a link to another.
+    kept = {k for k, rows in nodes.items() if k[0] in ("embedding", "logit") or len(rows) >= 0.4 * N_PROMPTS}
+    linked = {k for edge in edges for k in edge if all(end in kept for end in edge)}
+    shown = {k for k in kept if k[0] in ("embedding", "logit") or k in linked}
+    assert {tuple(n["hooked_models_aggregate"]["key"]) for n in data["nodes"]} == shown
+    assert len(features) == len({k for k in shown if k[0] == "feature"}) > 0
     for node in data["nodes"]:
         spread = node.get("hooked_models_aggregate")
         key = tuple(spread["key"])
         rows = nodes[key]
         assert spread["count"] == len(rows) and spread["per_prompt"]["graphs"] == [r[0] for r in rows]
-        assert node["influence"] == pytest.approx(np.mean([r[1] for r in rows]), rel=1e-6)
+        assert spread["influence"]["mean"] == pytest.approx(np.mean([r[1] for r in rows]), rel=1e-9)
         assert spread["influence"]["sd"] == pytest.approx(np.std([r[1] for r in rows]), rel=1e-7, abs=1e-12)
+    # `influence`: the cumulative share of the nodes' mean influences, largest first (circuit-tracer's meaning).
+    means = {n["node_id"]: n["hooked_models_aggregate"]["influence"]["mean"] for n in data["nodes"]}
+    for node in data["nodes"]:
+        above = sum(m for m in means.values() if m >= means[node["node_id"]])
+        assert node["influence"] == pytest.approx(above / sum(means.values()), rel=1e-5)
     ids = {n["node_id"]: tuple(n["hooked_models_aggregate"]["key"]) for n in data["nodes"]}
     for link in data["links"]:
         rows = edges[(ids[link["source"]], ids[link["target"]])]
