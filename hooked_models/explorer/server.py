@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
 from hooked_models.attribution.export import json_node
+from hooked_models.attribution.store import graph_file
 from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
@@ -280,6 +281,8 @@ class Explorer:
             _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
             graph["qk_attributions"] = data.get("qk_attributions", [])
         _attach_examples(graph["nodes"], path.parent)
+        if "hooked_models_aggregate" in data["metadata"]:  # `aggregate(store).to_json`: each node over the prompts
+            _attach_spread(graph, data)
         return graph
 
     def _name_nodes(self, graph: dict) -> None:
@@ -320,6 +323,19 @@ class Explorer:
 
 # Top examples per feature node shown on hover in the graph view.
 HOVER_EXAMPLES = 3
+
+
+def _attach_spread(graph: dict, data: dict) -> None:
+    """An aggregate's spread over the prompts, carried through: each node's (`spread`: count, mean and sd,
+    its value in each prompt), and each prompt's own graph file (`prompt_graphs`, by graph index)."""
+    about = data["metadata"]["hooked_models_aggregate"]
+    graph["metadata"]["aggregate"] = about
+    graph["metadata"]["prompt_graphs"] = [str(Path(about["store"]) / graph_file(i)) for i in range(about["n_graphs"])]
+    spreads = {node["node_id"]: node["hooked_models_aggregate"] for node in data["nodes"]
+               if "hooked_models_aggregate" in node}
+    for node in graph["nodes"]:
+        if node["node_id"] in spreads:
+            node["spread"] = spreads[node["node_id"]]
 
 
 def _attach_examples(nodes: list[dict], directory: Path) -> None:

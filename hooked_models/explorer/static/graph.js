@@ -1,6 +1,7 @@
 // The attribution-graph view: a graph file in circuit-tracer's schema drawn by layer and position, pruned
 // by influence, a node's strongest links and an edge's per-head loadings (a head clicked: the QK
-// attributions of its pattern entries, the file's `qk_attributions`), a feature's dashboard.
+// attributions of its pattern entries, the file's `qk_attributions`), a feature's dashboard; an aggregate of a
+// graph store (`aggregate(store).to_json`): a node's values over the prompts, each prompt's graph a click away.
 import {$, api, el, fmt, handle, session, svgEl} from "./common.js";
 import {openFeature} from "./features.js";
 
@@ -201,6 +202,7 @@ function selectNode(id) {
   const pin = el("button", {type: "button", id: "graph-pin"}, pinned.has(id) ? "unpin" : "pin");
   pin.onclick = () => { pinned.has(id) ? pinned.delete(id) : pinned.add(id); selectNode(id); };
   detail.append(pin, el("span", {class: "note", id: "graph-pinned"}, ` pinned: ${[...pinned].join(", ") || "none"}`));
+  if (node.spread) detail.append(spreadTable(node.spread));
   detail.append(linkTable(inputs, "source", "strongest inputs"), linkTable(outputs, "target", "strongest outputs"),
                 el("div", {id: "graph-heads", class: "note"}));
   const feature = Number(node.node_id.split("_")[1]);
@@ -212,6 +214,34 @@ function selectNode(id) {
   }
   detail.append(el("div", {id: "graph-board"}));
   drawGraph();
+}
+
+// An aggregate's node over the prompts (`aggregate(store).to_json`): how often it occurs, its influence and
+// signed effect in each prompt; a prompt clicked opens that prompt's own graph.
+function spreadTable(spread) {
+  const stat = (name) => spread[name] ? `${fmt(spread[name].mean)} ± ${fmt(spread[name].sd)}` : "–";
+  const box = el("div", {id: "graph-spread"});
+  box.append(el("p", {class: "note"}, `in ${spread.count} of ${spread.n_graphs} prompts; influence ${stat("influence")}, ` +
+    `effect ${stat("effect")}; absent in ${spread.absent.length}, reversed in ${spread.reversed.length}`));
+  const table = el("table", {class: "spread-table"});
+  table.append(el("caption", {}, "per prompt (click: open its graph)"));
+  const values = spread.per_prompt;
+  const at = new Map(values.graphs.map((g, i) => [g, i]));
+  for (let g = 0; g < spread.n_graphs; g++) {
+    const i = at.get(g);
+    const row = el("tr", {class: i === undefined ? "prompt absent" : spread.reversed.includes(g) ? "prompt reversed" : "prompt",
+                          "data-graph": String(g)});
+    row.append(el("td", {}, `prompt ${g}`),
+               el("td", {}, i === undefined ? "absent" : `influence ${fmt(values.influence[i])}`),
+               el("td", {}, i === undefined ? "" : `effect ${fmt(values.effect[i])}`));
+    row.onclick = handle(() => {
+      $("graph-path").value = GRAPH.data.metadata.prompt_graphs[g];
+      return openGraph();
+    }, "graph-svg", "graph-detail", "graph-title", "graph-count");
+    table.append(row);
+  }
+  box.append(table);
+  return box;
 }
 
 // An edge through attention, split over the heads that carry it (the file's per-link "heads").
