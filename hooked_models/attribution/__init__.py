@@ -17,18 +17,19 @@
 Over a dataset: `attribute_dataset(model, prompts, transcoders, "out/graphs", engine="ray")` writes a graph
 per prompt to a `GraphStore`; `aggregate(store)` matches their nodes (how often each feature occurs, its
 influence's mean and spread, the edges between recurring features, the exceptions) and writes an aggregate
-graph file; `graphs_containing` and `cooccurring` search the store.
+graph file; `graphs_containing`, `cooccurring`, `supernode_shares` and `graphs_led_by` search the store.
 
 Laid out as circuit-tracer's `attribution/` and `graph.py`, one concern per module, each importing only
 those listed after it (the contract in pyproject.toml): supernode_intervention (`intervene_supernodes`) |
-dataset (`attribute_dataset`) | aggregate (`aggregate`) | search (`graphs_containing`, `cooccurring`); store
-(`GraphStore`: a graph store's files and index); attribute (`attribute`) | intervention (`feature_intervention`,
-`feature_intervention_generate`, steering, the batched replacement run); attention (per-head loadings and QK,
-from one decomposition) | subgraph (`Subgraph`: pinned nodes, supernodes, their edges, influence and linear
-prediction); graph (nodes, pruning, scores) | heads (the loadings' reader) | decomposition (the forward
-decomposition of the residual stream) | targets (output nodes, the rows' input directions); subgraph_files (a
-subgraph as a graph file's qParams) | subgraph_plot (the subgraph and intervention figures); export (graph
-files, the drawing); qk (the QK reader and its tables) | replacement (the replacement model and its freezing).
+dataset (`attribute_dataset`) | aggregate (`aggregate`) | search (`graphs_containing`, `cooccurring`,
+`supernode_shares`, `graphs_led_by`); store (`GraphStore`: a graph store's files and index); attribute
+(`attribute`) | intervention (`feature_intervention`, `feature_intervention_generate`, steering, the batched
+replacement run); attention (per-head loadings and QK, from one decomposition) | subgraph (`Subgraph`: pinned
+nodes, supernodes, their edges, influence and linear prediction); graph (nodes, pruning, scores) | heads (the
+loadings' reader) | decomposition (the forward decomposition of the residual stream) | targets (output nodes,
+the rows' input directions); subgraph_files (a subgraph as a graph file's qParams) | subgraph_plot (the
+subgraph and intervention figures); export (graph files, the drawing); qk (the QK reader and its tables) |
+replacement (the replacement model and its freezing).
 """
 
 from hooked_models.attribution.aggregate import Aggregate, aggregate
@@ -43,7 +44,7 @@ from hooked_models.attribution.intervention import (
     feature_steering_generate,
 )
 from hooked_models.attribution.qk import QKTable
-from hooked_models.attribution.search import cooccurring, graphs_containing
+from hooked_models.attribution.search import cooccurring, graphs_containing, graphs_led_by, supernode_shares
 from hooked_models.attribution.store import GraphStore
 from hooked_models.attribution.subgraph import InfluenceShare, Subgraph, Supernode, linear_response
 from hooked_models.attribution.supernode_intervention import MODES, SupernodeInterventions, intervene_supernodes
@@ -52,4 +53,5 @@ from hooked_models.attribution.targets import CustomTarget
 __all__ = ["FEATURE_TYPES", "MODES", "Aggregate", "AttributionGraph", "CustomTarget", "GraphStore", "InfluenceShare",
            "QKTable", "Subgraph", "SupernodeInterventions", "Supernode", "aggregate", "attribute", "attribute_dataset",
            "cooccurring", "feature_intervention", "feature_intervention_generate", "feature_steering",
-           "feature_steering_generate", "graphs_containing", "intervene_supernodes", "linear_response"]
+           "feature_steering_generate", "graphs_containing", "graphs_led_by", "intervene_supernodes", "linear_response",
+           "supernode_shares"]

@@ -31,6 +31,8 @@ from hooked_models.attribution import (
     attribute_dataset,
     cooccurring,
     graphs_containing,
+    graphs_led_by,
+    supernode_shares,
 )
 from hooked_models.embedded.task import make_ioi_prompts
 from hooked_models.explorer.graph_file import GraphFile
@@ -313,3 +315,43 @@ def test_search_finds_the_graphs_and_the_features_beside_a_feature(store):
     assert {(c["layer"], c["feature"]): c["count"] for c in found} == counts
     assert [c["count"] for c in found] == sorted(counts.values(), reverse=True)
     assert all(c["fraction"] == c["count"] / len(holding) for c in found)
+
+
+def closed_form_influence(out: Path, g: int) -> tuple[np.ndarray, list]:
+    """Graph g's influence on its outputs, every node, w N (I - N)^-1 in float64 from its files; its active
+    features ([layer, position, feature] rows, the first nodes)."""
+    tensors = load_file(str(out / "graphs" / f"{g:05d}.tensors.safetensors"))
+    hm = json.loads((out / "graphs" / f"{g:05d}.json").read_text())["hooked_models"]
+    A = tensors["adjacency_matrix"].astype(np.float64)
+    n = A.shape[0]
+    w = np.zeros(n)
+    w[n - len(hm["logit_tokens"]):] = tensors["logit_probabilities"]
+    N = np.abs(A) / np.maximum(np.abs(A).sum(1, keepdims=True), 1e-10)
+    return w @ N @ np.linalg.inv(np.eye(n) - N), hm["active_features"]
+
+
+def test_supernode_shares_are_each_graphs_influence_share(store):
+    """A supernode's share in each graph: its members' influence over all nodes', by the closed form in float64
+    from the files; `graphs_led_by`: the graphs where it carries more than the others, largest share first.
+    The supernodes: a feature at one position (a node id) and another feature anywhere ((layer, feature)),
+    chosen so that each leads in some graph, and one no graph has."""
+    graphs = [closed_form_influence(store.path, g) for g in range(len(store))]
+
+    def share(g, layer, feature, pos=None):
+        influence, active = graphs[g]
+        rows = [i for i, (l, p, f) in enumerate(active) if (l, f) == (layer, feature) and pos in (None, p)]
+        return influence[rows].sum() / influence.sum()
+
+    recurring = [n.key for n in aggregate(store, min_fraction=0.2, progress=False).recurring()]
+    a, b = next((a, b) for a in recurring for b in recurring if a[1:3] != b[1:3] and
+                len({share(g, *a[1:]) > share(g, *b[1:3]) for g in range(len(store))}) == 2)
+    supernodes = {"one place": [f"{a[1]}_{a[2]}_{a[3]}"], "anywhere": [(b[1], b[2])], "nowhere": ["0_100000_0"]}
+    shares = supernode_shares(store, supernodes)
+    for g in range(len(store)):
+        assert shares[g]["one place"] == pytest.approx(share(g, *a[1:]), rel=1e-5, abs=1e-9)
+        assert shares[g]["anywhere"] == pytest.approx(share(g, *b[1:3]), rel=1e-5, abs=1e-9)
+        assert shares[g]["nowhere"] == 0.0
+    for name in ("one place", "anywhere"):
+        led = [g for g, row in enumerate(shares) if 0 < row[name] == max(row.values())]
+        assert graphs_led_by(store, supernodes, name) == sorted(led, key=lambda g: -shares[g][name])
+        assert 0 < len(led) < len(store)
