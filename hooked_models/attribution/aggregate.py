@@ -288,7 +288,7 @@ class Aggregate:
                                  dtype=torch.float64)
         ranked = influence.argsort(descending=True)
         cumulative = torch.zeros_like(influence)
-        cumulative[ranked] = influence[ranked].cumsum(0) / influence.sum().clamp(min=1e-30)
+        cumulative[ranked] = (influence[ranked].cumsum(0) / influence.sum().clamp(min=1e-30)).clamp(max=1.0)
         outputs = [self._output(r, at) for r in ranks]
         tokens = [self.columns[c].most_common(1)[0][0][0] for c in order]
         graph = AttributionGraph(
@@ -302,7 +302,9 @@ class Aggregate:
             transcoder_names=self.store.index["transcoders"]["names"], logit_str_tokens=[o[2] for o in outputs],
             logit_positions=torch.tensor([o[3] for o in outputs], dtype=torch.long),
             node_mask=node_mask, edge_mask=edge_mask, cumulative_influence=cumulative.float(),
-            node_threshold=self.node_threshold)
+            # 1: a viewer shows every node the file holds (one shows a node whose cumulative influence is at
+            # most the threshold); the graphs' own thresholds are in the metadata's hooked_models_aggregate.
+            node_threshold=1.0)
         return graph, keys
 
     def _output(self, rank: int, at: dict) -> tuple[int, float, str, int]:

@@ -263,6 +263,8 @@ def test_the_aggregate_graph_file_carries_each_nodes_spread(store, tmp_path):
     path = agg.to_json(tmp_path / "aggregate.json")
     data = json.loads(path.read_text())
     assert data["metadata"]["hooked_models_aggregate"]["n_graphs"] == N_PROMPTS
+    # Viewers show a node whose influence is at most the file's node_threshold: every node of the file.
+    assert data["metadata"]["node_threshold"] == 1.0 and all(n["influence"] <= 1.0 for n in data["nodes"])
     features = [n for n in data["nodes"] if n["feature_type"] == "cross layer transcoder"]
     # The recurring features and errors, every embedding and the output: those of them with a link to another.
     kept = {k for k, rows in nodes.items() if k[0] in ("embedding", "logit") or len(rows) >= 0.4 * N_PROMPTS}

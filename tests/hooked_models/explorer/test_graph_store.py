@@ -46,7 +46,6 @@ def test_an_aggregate_opens_and_each_prompts_graph_is_a_click_away(tmp_path, arc
             page.fill("#graph-path", "ioi-aggregate.json")
             page.click("#graph-form button")
             page.wait_for_selector("#graph-svg .node")
-            page.locator("#graph-threshold").fill("1")  # every node shown
             page.locator(f"#graph-svg .node[data-id='{node['node_id']}']").dispatch_event("click")
             page.wait_for_selector("#graph-spread table")
             summary = page.inner_text("#graph-spread p")
