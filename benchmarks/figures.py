@@ -887,8 +887,12 @@ def sparsify_table() -> str:
               "distributions from the model's, per position."]
     tuning = "; ".join(f"{r['setting']}: {' / '.join(f'{v:.5f}' for v in r['fvu'])}" for r in f["tuning"]["runs"])
     if tuning:
-        lines += ["", f"Each side's learning rate, tuned on seed {f['tuning']['seed']}, interleaved lr by lr (held-out "
-                  f"FVU per layer; the lowest geometric mean over layers chosen): {tuning}."]
+        lines += ["", f"Learning rates tuned on seed {f['tuning']['seed']} (held-out FVU per layer; the lowest "
+                  f"geometric mean over layers chosen; sides interleaved lr by lr where both were tuned): {tuning}."]
+    if not any(r["side"] == "sparsify" for r in f["tuning"]["runs"]):
+        lines += ["", "sparsify's Adam lr was given (`--adam-lr`, the command above), not tuned in this run: "
+                  "the lr its own sweep over 2e-3 ... 3.2e-2 chose on this recipe, seed and data (`python "
+                  "benchmarks/transcoder_training.py --threads 1` runs that sweep and every sparsify setting)."]
     sweep = f["sweep"]
     lines += ["", f"The k sweep (sparsify: {sweep['setting']}; ours: {f['our_best']}; seeds {', '.join(map(str, sweep['seeds']))}; mean over "
               "seeds where more than one), held-out L0 and FVU per layer:", "",

@@ -81,9 +81,11 @@ def signum(lr: float | None) -> tuple[str, dict]:
             {"optimizer": "signum", **({} if lr is None else {"lr": lr})})
 
 
-def compared_settings(adam_lr: float, signum_lr: float | None) -> dict[str, dict]:
+def compared_settings(adam_lr: float, signum_lr: float | None, brief: bool = False) -> dict[str, dict]:
     """The settings run with every seed: the issue's (Adam at 2e-3 with its default warm-up), Adam at its tuned
-    lr with and without AuxK, Signum at its default and at its tuned lr."""
+    lr with and without AuxK, Signum at its default and at its tuned lr; `brief`: Adam at its tuned lr alone."""
+    if brief:
+        return dict([adam(adam_lr)])
     return dict([adam(LR, lr_warmup_steps=1000), adam(adam_lr), adam(adam_lr, **AUXK), signum(None),
                  signum(signum_lr)])
 
@@ -308,6 +310,8 @@ def main() -> None:
     parser.add_argument("--signum-lr", type=lambda v: None if v == "default" else float(v), default=float("nan"),
                         help="sparsify's Signum lr, or 'default' (default: tuned over SIGNUM_LRS on the first seed)")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--brief", action="store_true",
+                        help="sparsify's tuned Adam alone with every seed (with --adam-lr: a shorter run on a busy machine)")
     parser.add_argument("--ks", type=int, nargs="*", default=[8, 16, 32, 64],
                         help="the k sweep, both sides (k=16 reuses the runs above)")
     parser.add_argument("--sweep-seeds", type=int, nargs="*", help="the k sweep's seeds (default: --seeds)")
@@ -369,7 +373,7 @@ def main() -> None:
             if runs:
                 lr = {n: v for side, (n, v) in pairs}[best(runs)].get("lr")
                 setattr(args, f"{'our' if kind == 'ours' else kind}_lr", lr)
-        settings = compared_settings(args.adam_lr, args.signum_lr)
+        settings = compared_settings(args.adam_lr, args.signum_lr, args.brief)
         mine = our_settings(args.our_lr)
         print(f"k={K}, seeds {args.seeds}: sparsify's settings then ours, seed by seed", flush=True)
         runs = []
