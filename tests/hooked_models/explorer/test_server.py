@@ -221,6 +221,10 @@ REFUSED = [
     ("/api/prompt", {"prompt": "a " * 50_001}, 400, "prompt=100002 characters: String should have at most 100000"),
     ("/api/circuit", {**PAIR, "steps": 100_000_000}, 400, "steps=100000000: Input should be less than or equal to 1000"),
     ("/api/circuit", {**PAIR, "method": "magic"}, 400, "method='magic': Input should be 'eap-ig' or 'eap'"),
+    # a misspelt field is refused, not dropped (else this ran EAP-IG with its default 5 steps)
+    ("/api/circuit", {**PAIR, "step": 100_000_000, "methd": "eap"}, 400,
+     "step=100000000: not a field of this request; methd='eap': not a field of this request"),
+    ("/api/graph", {"path": "graph.json", "layout": "tree"}, 400, "layout='tree': not a field of this request"),
     ("/api/features/search", {"harvest": "acts", "sae": "resid 1", "token": " Mary", "k": 51}, 400,
      "k=51: Input should be less than or equal to 50"),
     ("/api/features/dashboard", {"harvest": "acts", "sae": "resid 1", "feature": -1}, 400,
