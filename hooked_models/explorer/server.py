@@ -36,6 +36,7 @@ from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
 from hooked_models.explorer.requests import Limits, request_models, validation_message
+from hooked_models.features.circuit_tracer_files import METADATA as GRAPH_LIST
 from hooked_models.features.results import META as STATISTICS
 from hooked_models.transcoders import TranscoderSet
 from hooked_models.saes import sae_hook_name
@@ -249,9 +250,10 @@ class Explorer:
 
     @staticmethod
     def _entry(path: Path, shown: str) -> dict:
+        # circuit-tracer's graph-metadata.json lists the graphs of its directory: JSON, but not a graph
         kind = ("harvest" if (path / "manifest.json").is_file() else "statistics" if (path / STATISTICS).is_file()
                 else "directory") if path.is_dir() else (
-            "json" if path.suffix == ".json" else "file")
+            "graph list" if path.name == GRAPH_LIST else "json" if path.suffix == ".json" else "file")
         entry = {"name": path.name or shown, "path": shown, "kind": kind}
         if kind in ("harvest", "statistics"):  # the values it holds: the features view picks one that fits its SAE
             entry["values"] = _values_held(path, kind)

@@ -307,6 +307,8 @@ def test_files_list_only_under_the_data_directories(client, data_dir):
     listed = client.get("/api/files", params={"path": str(data_dir)}).json()["entries"]
     kinds = {e["name"]: e["kind"] for e in listed}
     assert kinds["acts"] == "harvest" and kinds["graph.json"] == "json"
+    # circuit-tracer's list of the directory's graphs is JSON but not a graph: the picker (kind "json") skips it
+    assert kinds["graph-metadata.json"] == "graph list"
     for outside in ("..", str(data_dir.parent), "/"):
         answer = client.get("/api/files", params={"path": outside})
         assert answer.status_code == 403 and "outside the data directories" in answer.json()["error"]
