@@ -300,7 +300,8 @@ def _explore_command(commands) -> None:
     explore.add_argument("--sae", nargs="+", default=[], metavar="DIR",
                          help="SAEs and transcoders for the features view: transcoder sets in circuit-tracer's "
                               "layout (config.yaml; 'embedded': the package's), SAELens directories (cfg.json; "
-                              "needs sae_lens)")
+                              "needs sae_lens). Default: the transcoders the --data directories' graph files were "
+                              "built with, where found (the embedded model's own, or a set in a --data folder)")
     explore.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     explore.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     _debug_flag(explore)
@@ -316,12 +317,18 @@ def _explore(args) -> int:
         raise ValueError(f"--model {args.model}: no such file or directory")
     listening = _listen(args.host, args.port)
     from hooked_models.explorer import serve  # lazily: --help and the other commands need no web server
-    from hooked_models.explorer.server import load_sae
+    from hooked_models.explorer.server import graph_transcoders, load_sae
     from hooked_models.families import load_model
 
     try:
         model = load_model(args.model, args.family, args.dtype)
         saes = {Path(path).name: load_sae(path, model) for path in args.sae}
+        if not args.sae and args.data:  # a graph's directory alone: its graphs' transcoders, where at hand
+            saes, notes = graph_transcoders(model, args.data, embedded=args.model == "embedded")
+            for line in notes:
+                print(f"features view: {line}", file=sys.stderr, flush=True)
+            if saes:
+                print(f"features view: the graphs' transcoders {', '.join(saes)} (no --sae given)", flush=True)
     except BaseException:
         listening.close()
         raise
