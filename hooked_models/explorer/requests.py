@@ -14,12 +14,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from hooked_models.circuits.eap import MANY_STEPS
+
 MAX_TOP_K = 50  # a list of predictions or features longer than this is not read in a page
 # Tokenizing this many characters takes milliseconds; anything longer is cut by the model's positions anyway.
 MAX_PROMPT_CHARS = 100_000
 # The Riemann sum of EAP-IG's integral converges long before this (its papers use 5 to 100 steps); more
-# steps only take longer.
-MAX_STEPS = 1000
+# steps only take longer. The library warns past the same number.
+MAX_STEPS = MANY_STEPS
 # A patching heatmap of more cells than this is not readable in a page (and every cell is a patched run).
 MAX_PATCHES = 2**16
 MAX_NAME = 300  # a value, a hook, a node or a token's text; the model's own names are far shorter

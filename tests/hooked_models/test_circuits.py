@@ -452,6 +452,8 @@ def test_bad_arguments_are_clear_and_leave_no_hook(tl_model):
         circuits.edge_attribution(tl_model, clean, corrupted, metric, method="ig")
     with pytest.raises(ValueError, match="steps=0 must be a positive integer"):
         circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=0)
+    with pytest.raises(ValueError, match="steps=True must be a positive integer"):
+        circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=True)
     with pytest.raises(ValueError, match="must have one shape"):
         circuits.edge_patch(tl_model, clean, corrupted[:, :-1], metric, [[]])
 
@@ -468,3 +470,25 @@ def test_bad_arguments_are_clear_and_leave_no_hook(tl_model):
     tl_model.eval()
     assert not any(p.fwd_hooks or p.bwd_hooks for p in tl_model.standard_hook_dict.values())
     assert tl_model.context_level == 0
+
+
+def test_many_eap_ig_steps_are_warned_with_their_cost(tl_model):
+    # Over MANY_STEPS (1,000) a call is warned before any pass, naming the passes; at the bound it is not.
+    # A progress callable stops each run after its first pass, so neither runs its steps.
+    import warnings
+
+    from hooked_models.progress import Cancelled
+
+    clean, corrupted = prompts(tl_model)
+
+    def stop(step):
+        raise Cancelled("one pass is enough")
+
+    with pytest.warns(UserWarning, match=r"steps=1001 is over 1000: 501 forward and backward passes of 2 x "
+                                         rf"{clean.shape[0]} pairs x {clean.shape[1]} tokens"):
+        with pytest.raises(Cancelled):
+            circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=1001, batch_size=2, progress=stop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Cancelled):
+            circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=1000, batch_size=2, progress=stop)
