@@ -55,37 +55,41 @@ def edge_attribution(
     layout = _Layout(model)
     clean, corrupted = _check_runs(model, clean, corrupted)
     batch, seq = clean.shape
-    corrupted_logits, corrupted_out = _writer_outputs(model, corrupted, layout, ["token_embeddings"])
-    corrupted_metric = float(_scalar(metric(corrupted_logits)))
     readers = [h.name for h in layout.reader_hooks]
     if method == "eap":
-        with tracker(progress, total=1, desc="edge attribution (eap)", unit="step", long=False) as done:
-            grads, clean_out, clean_metric = _reader_gradients(model, clean, metric, readers, layout)
-            done.advance()
+        total, per_forward = 1, 1
     else:
-        clean_logits, clean_out = _writer_outputs(model, clean, layout, ["token_embeddings"])
-        clean_metric = float(_scalar(metric(clean_logits)))
-        embeddings = (clean_out["token_embeddings"], corrupted_out["token_embeddings"])
         # A step holds a forward's activations and their gradients, with the split inputs (and theirs).
         per_step = 4 * row_bytes(model, clean) + _stream_bytes(model, clean) * 12 * model.cfg.n_heads
-        per_forward = batch_size or max(1, memory_budget // per_step)
+        total, per_forward = steps, batch_size or max(1, memory_budget // per_step)
         if steps > MANY_STEPS:
             passes = -(-steps // per_forward)
             warnings.warn(f"steps={steps} is over {MANY_STEPS}: {passes} forward and backward passes of "
                           f"{min(steps, per_forward)} x {batch} pairs x {seq} tokens, each step as costly as "
                           f"EAP's backward; EAP-IG has converged long before (5 to 100 steps are usual). "
                           f"progress=True shows a bar", stacklevel=2)
-        alphas = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
-        grads = {}
-        with tracker(progress, total=steps, desc="edge attribution (eap-ig)", unit="step",
-                     long=steps > per_forward) as done:
+    with tracker(progress, total=total, desc=f"edge attribution ({method})", unit="step",
+                 long=method == "eap-ig" and steps > per_forward) as done:
+        # 0 steps of `total`, said before the runs that precede the first step (a job reads no None meanwhile)
+        done.reset(total)
+        corrupted_logits, corrupted_out = _writer_outputs(model, corrupted, layout, ["token_embeddings"])
+        corrupted_metric = float(_scalar(metric(corrupted_logits)))
+        if method == "eap":
+            grads, clean_out, clean_metric = _reader_gradients(model, clean, metric, readers, layout)
+            done.advance()
+        else:
+            clean_logits, clean_out = _writer_outputs(model, clean, layout, ["token_embeddings"])
+            clean_metric = float(_scalar(metric(clean_logits)))
+            embeddings = (clean_out["token_embeddings"], corrupted_out["token_embeddings"])
+            alphas = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
+            grads = {}
             for start in range(0, steps, per_forward):
                 part, _, _ = _reader_gradients(model, clean, metric, readers, layout, embeddings,
                                                alphas[start:start + per_forward])
                 for name, g in part.items():
                     grads[name] = g if name not in grads else grads[name] + g
                 done.advance(len(alphas[start:start + per_forward]))
-        grads = {name: g / steps for name, g in grads.items()}
+            grads = {name: g / steps for name, g in grads.items()}
     scores = _scores(layout, corrupted_out, clean_out, grads, seq, clean.device)
     return Graph(list(layout.edges), scores, method if method == "eap" else f"eap-ig ({steps} steps)",
                  clean_metric, corrupted_metric, dict(layout.sizes))

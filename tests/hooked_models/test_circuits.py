@@ -474,7 +474,7 @@ def test_bad_arguments_are_clear_and_leave_no_hook(tl_model):
 
 def test_many_eap_ig_steps_are_warned_with_their_cost(tl_model):
     # Over MANY_STEPS (1,000) a call is warned before any pass, naming the passes; at the bound it is not.
-    # A progress callable stops each run after its first pass, so neither runs its steps.
+    # A progress callable stops each run at its first report, so neither runs its steps.
     import warnings
 
     from hooked_models.progress import Cancelled
@@ -492,3 +492,20 @@ def test_many_eap_ig_steps_are_warned_with_their_cost(tl_model):
         warnings.simplefilter("error")
         with pytest.raises(Cancelled):
             circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=1000, batch_size=2, progress=stop)
+
+
+@pytest.mark.parametrize("method", ["eap-ig", "eap"])
+def test_progress_says_zero_steps_before_the_first_run(tl_model, method):
+    # The two runs before EAP-IG's first step take a while on a large model: the callable hears "0 of total"
+    # before any of them, so a job's progress reads 0, not None, meanwhile (and a cancel is heard there).
+    clean, corrupted = prompts(tl_model)
+    forwards, seen = [], []
+    handle = tl_model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        circuits.edge_attribution(tl_model, clean, corrupted, metric, method, steps=3, batch_size=1,
+                                  progress=lambda step: seen.append((step.done, step.total, len(forwards))))
+    finally:
+        handle.remove()
+    total = {"eap-ig": 3, "eap": 1}[method]
+    assert seen[0] == (0, total, 0)
+    assert [done for done, _, _ in seen] == list(range(total + 1))
