@@ -544,8 +544,11 @@ def explorer_load_table() -> str:
              " / ".join(ms(f[k]) for k in ("p50_s", "p90_s", "p99_s", "max_s"))),
             ("the job's state when the last had answered", f["job_state_after"]),
             ("the job's batches meanwhile (it steps aside while a view runs)", f"{f['batches_during']}"),
-            ("DELETE /api/jobs/{id} to the job's state `cancelled`", ms(f["cancel_s"])),
-            ("SIGTERM / SIGINT to the command line's exit, three EAP-IG jobs queued",
+            (f"DELETE /api/jobs/{{id}} to the job's state `cancelled`, a job of {ms(f['batch_s'])} batches", ms(f["cancel_s"])),
+            (f"a circuit job (EAP-IG, 100 steps, 64 tokens) whole / DELETE to `cancelled` at {len(f['circuit_cancel_s'])} "
+             "moments of its run: median, max", f"{f['circuit_job_s']:.2f} s / {f['circuit_cancel_median_s']:.2f} s, "
+             f"{f['circuit_cancel_max_s']:.2f} s"),
+            ("SIGTERM / SIGINT to the command line's exit, three EAP-IG jobs queued, a page polling",
              f"{f['sigterm_stop_s']:.2f} s / {f['sigint_stop_s']:.2f} s")]
     return key_value_table(rows, r)
 
