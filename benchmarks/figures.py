@@ -589,6 +589,7 @@ def which_tool_costs() -> str:
     """docs/which-tool.md's costs: each question's tool on the embedded models and at (or towards) AFM-4.5B's scale."""
     arcee, alpha, s8 = sweeps("patching_arcee"), sweeps("patching_alpha-er"), sweeps("patching_size_8")
     c, co, afm, a16 = circuits(), corpus(), afm_attribution(), all_features_16()
+    fe = load("features")["figures"]
     shipped = {(run["model"], run["seq"]): run for run in attribution_runs("embedded")}
     afm_load = load("load_4_5b")["figures"]
     li, ho = "layer_input", "attention_head_outputs"
@@ -622,10 +623,15 @@ def which_tool_costs() -> str:
          f"{afm['ratio']:.2f}x checkpoint + transcoders (8 x 1024 Arcee, every feature of 16 tokens: "
          f"{a16['cpu_s']:.1f} CPU s)"),
         ("What does this feature do?",
-         f"a harvest first: {co['tokens'] / co['wall']['local']:,.0f} tokens/s on a 4-layer, 256-wide Arcee "
-         f"(wall clock), memory flat in the corpus ({co['memory']:.2f}x for 10x); the dashboard reads the harvest",
-         f"AFM-4.5B not measured; `engine=\"ray\"` spreads the harvest over workers ({co['ray1']:.2f}x local's time "
-         f"with 1 worker)"),
+         f"`features.statistics` of every feature of the shipped transcoders ({fe['embedded']['features']:,}) over "
+         f"{fe['embedded']['tokens']:,} tokens: {fe['embedded']['statistics_cpu_s']:.2f} CPU s, where a dashboard for "
+         f"each would take {fe['embedded']['dashboards_over_statistics']:.0f}x as long; a harvest, if you keep one: "
+         f"{co['tokens'] / co['wall']['local']:,.0f} tokens/s on a 4-layer, 256-wide Arcee (wall clock), memory "
+         f"flat in the corpus ({co['memory']:.2f}x for 10x)",
+         f"1 layer x {fe['wide']['features']:,} features of an 8 x 1024 Arcee over {fe['wide']['tokens']:,} tokens: "
+         f"{fe['wide']['statistics_cpu_s']:.1f} CPU s (dashboards: {fe['wide']['dashboards_over_statistics']:.0f}x); "
+         f"AFM-4.5B not measured; `engine=\"ray\"` spreads the work over workers ({co['ray1']:.2f}x local's time "
+         f"with 1 worker, for a harvest)"),
     ]
     lines = ["| question | on the embedded models | at scale |", "|---|---|---|"]
     return "\n".join(lines + [f"| {q} | {small} | {large} |" for q, small, large in rows])
