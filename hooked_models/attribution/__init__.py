@@ -13,17 +13,17 @@
     sub = Subgraph(graph, supernodes={"say Mary": ["1_37_15", ...]}, pinned=[...])   # parts, edges, influence
     sub.save("graph.json"); Subgraph.load("graph.json", graph)  # the viewer's qParams in the graph file
     intervene_supernodes(model, prompt, transcoders, sub, scales=(-1, 0, 2))  # measured beside predicted
-
-Laid out as circuit-tracer's `attribution/` and `graph.py`, one concern per module, each importing only
-those listed after it (the contract in pyproject.toml): supernode_intervention (`intervene_supernodes`);
-attribute (`attribute`) | intervention (`feature_intervention`, `feature_intervention_generate`, steering,
-the batched replacement run); attention (per-head loadings and QK, from one decomposition) | subgraph
-(`Subgraph`: pinned nodes, supernodes, their edges, influence and linear prediction); graph (nodes,
-pruning, scores) | heads (the loadings' reader) | decomposition (the forward decomposition of the
-residual stream) | targets (output nodes, the rows' input directions); subgraph_files (a subgraph as a
-graph file's qParams) | subgraph_plot (the subgraph and intervention figures); export (graph files, the
-drawing); qk (the QK reader and its tables) | replacement (the replacement model and its freezing).
 """
+
+# For developers, the package's layout: as circuit-tracer's `attribution/` and `graph.py`, one concern per
+# module, each importing only those listed after it (the contract in pyproject.toml): supernode_intervention
+# (`intervene_supernodes`); attribute (`attribute`) | intervention (`feature_intervention`,
+# `feature_intervention_generate`, steering, the batched replacement run); attention (per-head loadings and QK, from
+# one decomposition) | subgraph (`Subgraph`: pinned nodes, supernodes, their edges, influence and linear
+# prediction); graph (nodes, pruning, scores) | heads (the loadings' reader) | decomposition (the forward
+# decomposition of the residual stream) | targets (output nodes, the rows' input directions); subgraph_files (a
+# subgraph as a graph file's qParams) | subgraph_plot (the subgraph and intervention figures); export (graph files,
+# the drawing); qk (the QK reader and its tables) | replacement (the replacement model and its freezing).
 
 from hooked_models.attribution.attribute import attribute
 from hooked_models.attribution.export import FEATURE_TYPES
