@@ -114,7 +114,8 @@ def check_entry(prompt: Prompt, entry) -> tuple[int, int, int, int]:
         if not 0 <= value < limit:
             raise ValueError(f"QK entry {tuple(entry)}: {name}={value} outside [0, {limit})")
     if k > q:
-        raise ValueError(f"QK entry {tuple(entry)}: key_pos={k} comes after query_pos={q} (masked)")
+        raise ValueError(f"QK entry {tuple(entry)}: key_pos={k} comes after query_pos={q}: attention is causal, "
+                         f"so that entry is masked, with no score to attribute")
     return layer, head, q, k
 
 

@@ -165,6 +165,9 @@ def test_the_graph_file_carries_the_tables_the_viewer_ignores(tl_model_factory, 
     (lambda g: g.qk(0, 99, 1, 0), "head=99"),
     (lambda g: g.qk(0, 0, 50, 0), "query_pos=50"),
     (lambda g: g.qk(7, 0, 1, 0), "layer=7"),
+    # a key after its query: refused as causal (masked), not as "not computed"; the boundary is one past it
+    (lambda g: g.qk(0, 0, 1, 2), "key_pos=2 comes after query_pos=1: attention is causal"),
+    (lambda g: g.qk(0, 0, 3, 7), "key_pos=7 comes after query_pos=3: attention is causal"),
 ])
 def test_a_qk_request_outside_the_model_is_refused(tl_model_factory, make_untied, ask, message):
     model = tl_model_factory("arcee")
@@ -177,7 +180,7 @@ def test_a_qk_request_outside_the_model_is_refused(tl_model_factory, make_untied
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(qk=[(0, 9, 1, 0)]), "head=9"),
-    (dict(qk=[(0, 0, 1, 3)]), "key_pos=3 comes after query_pos=1"),
+    (dict(qk=[(0, 0, 1, 3)]), "key_pos=3 comes after query_pos=1: attention is causal"),
     (dict(qk=[(0, 0, 1, 2)]), "key_pos=2 comes after query_pos=1"),  # the boundary: one past the query
     (dict(qk=[(0, 0, 8, 0)]), "query_pos=8"),
 ])
