@@ -57,10 +57,11 @@ def split_attention(prompt: Prompt, replica: Replica, graph: AttributionGraph, e
 
     track.reset(len(components), "decomposition")
     reads = loadings.reads() + (reader.reads() if reader else [])
-    for chunk in decompose(prompt, components, reads, batch_size, with_total=True, on_chunk=track.advance):
+    for chunk in decompose(prompt, components, reads, batch_size, others=reader is not None,
+                           on_chunk=track.advance):
         loadings.read(chunk.start, chunk.values)
         if reader:
-            reader.read(chunk.start, chunk.values, chunk.bias, chunk.total)
+            reader.read(chunk.start, chunk.values, chunk.bias, chunk.others)
     weights = graph.adjacency_matrix[edges[:, 0], edges[:, 1]]
     tables = {}
     if reader:
