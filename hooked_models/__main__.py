@@ -7,6 +7,7 @@
     python -m hooked_models train-transcoders embedded --dataset PATH --activation topk --k 16 --out DIR
     torchrun --nproc-per-node 2 -m hooked_models train-transcoders ...   # or: ... --engine ray --workers 2
     python -m hooked_models explore --model embedded --data out       # the explorer, http://127.0.0.1:8000
+    python -m hooked_models view-graphs out      # circuit-tracer's viewer on graphs written with features=
 
 A user's error (a bad value, a missing file, an unknown name) is one line, in this command line's words
 (`--context-size`, not the Python API's `context_size`); `--debug` shows the traceback instead. The
@@ -167,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _train_command(commands)
     _explore_command(commands)
+    view = commands.add_parser(
+        "view-graphs", help="circuit-tracer's viewer on the graphs of a directory, offline",
+        description="Serve circuit-tracer's local viewer (its pages, their scripts vendored: nothing is fetched) "
+                    "on the graphs that AttributionGraph.to_json(path, features=stats) wrote in DIR, and print "
+                    "each graph's address (http://HOST:PORT/index.html?slug=...).")
+    view.add_argument("data", metavar="DIR", help="the graphs' directory (graph-metadata.json, features/)")
+    view.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    view.add_argument("--port", type=int, default=8032, help="port (default: %(default)s, circuit-tracer's)")
+    _debug_flag(view)
     return parser
 
 
@@ -366,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from hooked_models.corpus.store import HarvestInProgress
 
-    commands = {"explore": _explore, "harvest": _harvest, "patch": _patch, "train-transcoders": _train_transcoders}
+    commands = {"explore": _explore, "harvest": _harvest, "patch": _patch, "train-transcoders": _train_transcoders,
+                "view-graphs": _view_graphs}
     # Under torchrun every process runs this; process 0 alone reports (each raises the same error).
     reports = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -398,6 +409,13 @@ _INTERRUPTED = {
         f"the last checkpoint in {args.checkpoint} is kept; run the same command again to resume"
         if args.checkpoint else "nothing is kept (with --checkpoint DIR, a rerun resumes)"),
 }
+
+
+def _view_graphs(args) -> int:
+    from hooked_models.features.viewer import serve  # lazily: no torch for the other commands' --help
+
+    serve(args.data, port=args.port, host=args.host)
+    return 0
 
 
 def _harvest(args) -> int:

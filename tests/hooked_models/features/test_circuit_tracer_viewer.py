@@ -181,3 +181,89 @@ def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
     assert all(token.strip() in listed for token in top.tokens if token.strip())
     assert clerps == ["my own label"]  # the user's label, as the clicked node's clerp
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------- served by the package
+def test_the_viewer_pages_load_only_vendored_scripts():
+    """Every script tag of circuit-tracer's pages, as `features.viewer` sends them, is local and exists."""
+    import re
+
+    from hooked_models.features import viewer
+
+    for html in (viewer.PAGES / "index.html", viewer.PAGES / "feature-view.html"):
+        assert re.findall(r"src='https?://", html.read_text())  # the pages as circuit-tracer ships them
+        sent = viewer.page(html)
+        sources = re.findall(r"<script src='([^']+)'", sent)
+        assert sources and not [s for s in sources if "://" in s], sources
+        for source in sources:
+            found = (viewer.VENDOR / source.removeprefix("/vendor/")) if source.startswith("/vendor/") else \
+                viewer.PAGES / source.removeprefix("./")
+            assert found.is_file(), source
+
+
+def test_serve_prints_each_graphs_address_and_reads_only_the_data_directory(labelled_graph, capsys):
+    import urllib.error
+    import urllib.request
+
+    from hooked_models.features import viewer
+
+    out, path, _, _ = labelled_graph
+    running = viewer.serve(out, port=0, block=False)
+    try:
+        port = int(running.base.rsplit(":", 1)[1])
+        assert running.urls == [f"http://127.0.0.1:{port}/index.html?slug=ioi"]
+        printed = capsys.readouterr().out
+        assert f"http://127.0.0.1:{port}/index.html?slug=ioi" in printed and str(out) in printed
+        graph = json.loads(urllib.request.urlopen(f"{running.base}/graph_data/ioi.json").read())
+        assert graph == json.loads(path.read_text())
+        up = "../" * len(out.parts)  # from the data directory to / and no further
+        for outside in (f"/data/{up}etc/passwd", f"/graph_data/{up}etc/passwd", "/vendor/../../viewer.py",
+                        "/../../viewer.py", "/data/missing.json"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{running.base}{outside}")
+            assert refused.value.code == 404, outside
+    finally:
+        running.stop()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_the_package_serves_circuit_tracers_viewer_offline(labelled_graph, tmp_path):
+    """`features.viewer.serve` alone (no circuit-tracer, no route stubs): in chromium the viewer draws the
+    graph, a clicked feature node shows our top windows and its label, and no request leaves the machine
+    (each is recorded, and any to another host is aborted)."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    from hooked_models.features import viewer
+
+    out, path, stats, (layer, feature) = labelled_graph
+    running = viewer.serve(out, port=0, block=False)
+    local, outside, errors = f"{running.base}/", [], []
+
+    def record(route):
+        outside.append(route.request.url)
+        return route.abort()
+
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route(lambda url: not url.startswith(local), record)
+            page.goto(running.urls[0])
+            page.wait_for_selector("text.node", timeout=90_000)
+            nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
+            wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
+                          and node_id.startswith(f"{layer}_{feature}_"))
+            page.locator("text.node").nth(wanted).click(force=True)
+            page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
+            listed = page.inner_text(".feature-example-list")
+            clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+            page.screenshot(path=str(tmp_path / "served-viewer.png"))
+            browser.close()
+    finally:
+        running.stop()
+    assert outside == [] and errors == []
+    graph = json.loads(path.read_text())
+    assert {node_id for _, node_id in nodes} == {n["node_id"] for n in graph["nodes"]}  # the whole graph drawn
+    top = stats[layer].top_windows(feature)[0]
+    assert "Top activations" in listed and all(t.strip() in listed for t in top.tokens if t.strip())
+    assert clerps == ["my own label"]
