@@ -4,25 +4,10 @@ there) opens a graph of ours with them: in Debian's chromium through Playwright,
 shows our top windows and quantile examples, and our label.
 
 The viewer loads its scripts from CDNs, which cannot be reached here. The test routes those requests to
-copies from npm packages (.ci/viewer-libs.sh installs them): d3 from d3 v7, dagre and pako from theirs.
-The helper library (transformer-circuits.pub's jetpack build) has no npm package: it is stubbed by the
-published d3-jetpack with d3-collection (whose `nest` its `nestBy` needs) and `JETPACK_SHIM` below, the
-three things the viewer calls that d3-jetpack lacks. The hot-reload client (development only) and the
-.npy reader (graph files are JSON) are stubbed empty. circuit-tracer's files are never edited."""
-
-# What transformer-circuits.pub's jetpack adds to d3-jetpack's `conventions` and the viewer uses.
-JETPACK_SHIM = """
-(function () {
-  var conventions = d3.conventions
-  d3.conventions = function (options) {
-    var c = conventions(options)
-    c.drawAxis = function () { return d3.drawAxis(c) }
-    c.totalWidth = c.width + c.margin.left + c.margin.right
-    c.totalHeight = c.height + c.margin.top + c.margin.bottom
-    return c
-  }
-})()
-"""
+the copies the package vendors for its own serving of the viewer (hooked_models/features/viewer_static:
+npm's d3 v7, dagre and pako, and for transformer-circuits.pub's jetpack build, which has no npm package,
+d3-jetpack with d3-collection and a shim); the hot-reload client (development only) is stubbed empty.
+circuit-tracer's files are never edited. The last tests serve the viewer with the package alone."""
 
 import json
 import os
@@ -41,7 +26,6 @@ from ..explorer.conftest import PROMPT, alpha_er, arcee, data_dir, real_graph, s
 
 ROOT = Path(__file__).resolve().parents[3]
 CT_PYTHON = ROOT / ".ci" / "ct-env" / "bin" / "python"
-LIBS = ROOT / ".ci" / "viewer-libs" / "node_modules"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_ct = pytest.mark.skipif(not CT_PYTHON.exists(), reason="no circuit-tracer side environment (.ci/ct-env.sh)")
 
@@ -121,22 +105,20 @@ def _free_port() -> int:
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api")
-    if not (LIBS / "d3-collection").is_dir():
-        installed = subprocess.run(["bash", str(ROOT / ".ci" / "viewer-libs.sh")], capture_output=True, text=True)
-        if installed.returncode:
-            pytest.skip(f"the viewer's scripts could not be installed from npm: {installed.stderr[-300:]}")
+    from hooked_models.features.viewer import VENDOR
+
     out, path, stats, (layer, feature) = labelled_graph
     port = _free_port()
     serve = ("import sys, time\nfrom circuit_tracer.frontend.local_server import serve\n"
              "serve(data_dir=sys.argv[1], port=int(sys.argv[2]))\nwhile True: time.sleep(1)")
     server = subprocess.Popen([str(CT_PYTHON), "-c", serve, str(out), str(port)], stderr=subprocess.PIPE)
-    routes = {"d3.js": LIBS / "d3/dist/d3.min.js", "dagre.min.js": LIBS / "dagre/dist/dagre.min.js",
-              "pako.min.js": LIBS / "pako/dist/pako.min.js"}
-    jetpack = "\n".join([(LIBS / "d3-collection/dist/d3-collection.min.js").read_text(),
-                         (LIBS / "d3-jetpack/build/d3-jetpack.js").read_text(), JETPACK_SHIM])
+    # the scripts its pages load from CDNs, from the copies the package vendors (features/viewer_static)
+    routes = {"d3.js": VENDOR / "d3-7.9.0.min.js", "dagre.min.js": VENDOR / "dagre-0.8.5.min.js",
+              "pako.min.js": VENDOR / "pako-2.1.0.min.js", "npy_v0.js": VENDOR / "npy-stub.js"}
+    jetpack = "\n".join((VENDOR / name).read_text() for name in
+                         ("d3-collection-1.0.7.min.js", "d3-jetpack-2.1.0.js", "jetpack-shim.js"))
     stubs = {"jetpack_2024-07-20.js": jetpack,
-             "hotserver-client-ws.js": "/* stub: the development hot-reload client */",
-             "npy_v0.js": "/* stub: no .npy files here */ window.npyjs = {parse() { throw 'no npy' }}"}
+             "hotserver-client-ws.js": "/* stub: the development hot-reload client */"}
 
     def route(r):
         name = r.request.url.split("/")[-1]
