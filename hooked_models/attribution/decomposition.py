@@ -85,7 +85,7 @@ def decompose(prompt: Prompt, components: Sequence[Component], reads: Sequence[s
             on_chunk(len(chunk))
 
 
-def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> dict[str, Tensor]:
+def _run(prompt: Prompt, rows: Sequence[Component | _AllBut | None], reads: list[str]) -> dict[str, Tensor]:
     """The frozen model on one row per component (None: no node writes), the `reads` captured."""
     model, tcs = prompt.model, prompt.transcoders
     n, (seq, hidden) = len(rows), prompt.embedding.shape
