@@ -5,7 +5,9 @@ long the command line's server takes to stop on SIGTERM and SIGINT with jobs run
 
 The views: 5 clients, 10 requests each (prompt, attention and the model's description in turn), while a
 job of hooked forwards (one Step reported after each, as the library's long functions do) runs on the
-jobs' replica, on the embedded Arcee. tests/hooked_models/explorer/test_jobs.py asserts the ordering
+jobs' replica, on the embedded Arcee. The cancels: that job's, then the page's own circuit job cancelled
+at several moments of its run (a job stops at its next batch boundary, so a cancel waits for the rest of
+the batch it is in). The stops: a page's polling under way, as in use. tests/hooked_models/explorer/test_jobs.py asserts the ordering
 (every view answered while the job ran); this script measures the times.
 """
 
@@ -29,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import Results  # noqa: E402
 
 PROMPT = "When Mary and John went to the store together, John gave a drink to"
+FINISHED = ("done", "error", "cancelled")
 
 
 def call(url: str, path: str, body: dict | None = None, method: str | None = None) -> dict:
@@ -100,16 +103,52 @@ def views_under_load(clients: int, requests: int) -> dict:
         time.sleep(0.005)
     cancelled = time.perf_counter() - asked
     gaps = [b - a for a, b in zip(batches, batches[1:])]
+    circuit = cancel_circuits(url)
     explorer.queue.shutdown()
     server.should_exit = True
     return {"requests": len(latencies), "clients": clients, "job_state_after": state,
             "p50_s": percentile(latencies, 0.5), "p90_s": percentile(latencies, 0.9),
             "p99_s": percentile(latencies, 0.99), "max_s": max(latencies), "cancel_s": cancelled,
-            "batch_s": statistics.median(gaps), "batches_during": len(batches)}
+            "batch_s": statistics.median(gaps), "batches_during": len(batches), **circuit}
+
+
+# When the DELETE comes after the circuit job starts running, as fractions of the whole job's time: in its
+# first runs, its EAP-IG passes, its faithfulness curve's patches.
+CANCEL_AT = (0.0, 0.1, 0.2, 0.35, 0.5, 0.65)
+
+
+def cancel_circuits(url: str) -> dict:
+    """DELETE to `cancelled` for an explorer circuit job (EAP-IG, 100 steps, PROMPT four times over: 64
+    tokens), once per fraction CANCEL_AT of the whole job's time after it starts running: a running job stops at its next batch
+    boundary, so this is the rest of the batch it is in. Also how long the whole job takes."""
+    long = " ".join([PROMPT] * 4)
+    pair = {"clean": long, "corrupted": long[: -len("John gave a drink to")] + "Mary gave a drink to",
+            "answer": " Mary", "wrong": " John", "steps": 100}
+    job = call(url, "/api/circuit", pair)["job"]
+    while (status := call(url, f"/api/jobs/{job}"))["state"] not in FINISHED:
+        time.sleep(0.01)
+    whole = status["elapsed"]
+    waits = []
+    for delay in (whole * at for at in CANCEL_AT):
+        job = call(url, "/api/circuit", pair)["job"]
+        while (status := call(url, f"/api/jobs/{job}"))["state"] != "running":
+            time.sleep(0.002)
+        time.sleep(delay)
+        asked = time.perf_counter()
+        call(url, f"/api/jobs/{job}", method="DELETE")
+        while (status := call(url, f"/api/jobs/{job}"))["state"] not in FINISHED:
+            time.sleep(0.005)
+        if status["state"] == "cancelled":  # (a run faster than the first may finish before its cancel)
+            waits.append(time.perf_counter() - asked)
+    if len(waits) < 3:
+        raise RuntimeError(f"only {len(waits)} of the circuit jobs were still running at their cancel")
+    return {"circuit_job_s": whole, "circuit_cancel_median_s": statistics.median(waits),
+            "circuit_cancel_max_s": max(waits), "circuit_cancel_s": waits}
 
 
 def stop_on(stop: signal.Signals) -> float:
-    """Seconds from the signal to the command line's exit, with three long EAP-IG jobs queued."""
+    """Seconds from the signal to the command line's exit, with three long EAP-IG jobs queued and a client
+    polling the first every 150 ms, as the page does."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen([sys.executable, "-m", "hooked_models", "explore", "--port", str(port)], cwd=ROOT,
@@ -122,6 +161,17 @@ def stop_on(stop: signal.Signals) -> float:
     jobs = [call(url, "/api/circuit", pair)["job"] for _ in range(3)]
     while call(url, f"/api/jobs/{jobs[0]}")["state"] != "running":
         time.sleep(0.05)
+
+    def poll():  # the page's loop (static/common.js runJob): a status every 150 ms until the server is gone
+        try:
+            while True:
+                call(url, f"/api/jobs/{jobs[0]}")
+                time.sleep(0.15)
+        except OSError:
+            return
+
+    threading.Thread(target=poll, daemon=True).start()
+    time.sleep(0.5)
     began = time.perf_counter()
     server.send_signal(stop)
     server.wait(timeout=120)

@@ -567,8 +567,11 @@ def explorer_load_table() -> str:
              " / ".join(ms(f[k]) for k in ("p50_s", "p90_s", "p99_s", "max_s"))),
             ("the job's state when the last had answered", f["job_state_after"]),
             ("the job's batches meanwhile (it steps aside while a view runs)", f"{f['batches_during']}"),
-            ("DELETE /api/jobs/{id} to the job's state `cancelled`", ms(f["cancel_s"])),
-            ("SIGTERM / SIGINT to the command line's exit, three EAP-IG jobs queued",
+            (f"DELETE /api/jobs/{{id}} to the job's state `cancelled`, a job of {ms(f['batch_s'])} batches", ms(f["cancel_s"])),
+            (f"a circuit job (EAP-IG, 100 steps, 64 tokens) whole / DELETE to `cancelled` at {len(f['circuit_cancel_s'])} "
+             "moments of its run: median, max", f"{f['circuit_job_s']:.2f} s / {f['circuit_cancel_median_s']:.2f} s, "
+             f"{f['circuit_cancel_max_s']:.2f} s"),
+            ("SIGTERM / SIGINT to the command line's exit, three EAP-IG jobs queued, a page polling",
              f"{f['sigterm_stop_s']:.2f} s / {f['sigint_stop_s']:.2f} s")]
     return key_value_table(rows, r)
 
@@ -609,6 +612,7 @@ def which_tool_costs() -> str:
     """docs/which-tool.md's costs: each question's tool on the embedded models and at (or towards) AFM-4.5B's scale."""
     arcee, alpha, s8 = sweeps("patching_arcee"), sweeps("patching_alpha-er"), sweeps("patching_size_8")
     c, co, afm, a16 = circuits(), corpus(), afm_attribution(), all_features_16()
+    fe = load("features")["figures"]
     shipped = {(run["model"], run["seq"]): run for run in attribution_runs("embedded")}
     afm_load = load("load_4_5b")["figures"]
     li, ho = "layer_input", "attention_head_outputs"
@@ -642,10 +646,15 @@ def which_tool_costs() -> str:
          f"{afm['ratio']:.2f}x checkpoint + transcoders (8 x 1024 Arcee, every feature of 16 tokens: "
          f"{a16['cpu_s']:.1f} CPU s)"),
         ("What does this feature do?",
-         f"a harvest first: {co['tokens'] / co['wall']['local']:,.0f} tokens/s on a 4-layer, 256-wide Arcee "
-         f"(wall clock), memory flat in the corpus ({co['memory']:.2f}x for 10x); the dashboard reads the harvest",
-         f"AFM-4.5B not measured; `engine=\"ray\"` spreads the harvest over workers ({co['ray1']:.2f}x local's time "
-         f"with 1 worker)"),
+         f"`features.statistics` of every feature of the shipped transcoders ({fe['embedded']['features']:,}) over "
+         f"{fe['embedded']['tokens']:,} tokens: {fe['embedded']['statistics_cpu_s']:.2f} CPU s, where a dashboard for "
+         f"each would take {fe['embedded']['dashboards_over_statistics']:.0f}x as long; a harvest, if you keep one: "
+         f"{co['tokens'] / co['wall']['local']:,.0f} tokens/s on a 4-layer, 256-wide Arcee (wall clock), memory "
+         f"flat in the corpus ({co['memory']:.2f}x for 10x)",
+         f"1 layer x {fe['wide']['features']:,} features of an 8 x 1024 Arcee over {fe['wide']['tokens']:,} tokens: "
+         f"{fe['wide']['statistics_cpu_s']:.1f} CPU s (dashboards: {fe['wide']['dashboards_over_statistics']:.0f}x); "
+         f"AFM-4.5B not measured; `engine=\"ray\"` spreads the work over workers ({co['ray1']:.2f}x local's time "
+         f"with 1 worker, for a harvest)"),
     ]
     lines = ["| question | on the embedded models | at scale |", "|---|---|---|"]
     return "\n".join(lines + [f"| {q} | {small} | {large} |" for q, small, large in rows])

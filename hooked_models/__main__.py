@@ -7,6 +7,7 @@
     python -m hooked_models train-transcoders embedded --dataset PATH --activation topk --k 16 --out DIR
     torchrun --nproc-per-node 2 -m hooked_models train-transcoders ...   # or: ... --engine ray --workers 2
     python -m hooked_models explore --model embedded --data out       # the explorer, http://127.0.0.1:8000
+    python -m hooked_models view-graphs out      # circuit-tracer's viewer on graphs written with features=
 
 A user's error (a bad value, a missing file, an unknown name) is one line, in this command line's words
 (`--context-size`, not the Python API's `context_size`); `--debug` shows the traceback instead. The
@@ -167,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _train_command(commands)
     _explore_command(commands)
+    view = commands.add_parser(
+        "view-graphs", help="circuit-tracer's viewer on the graphs of a directory, offline",
+        description="Serve circuit-tracer's local viewer (its pages, their scripts vendored: nothing is fetched) "
+                    "on the graphs that AttributionGraph.to_json(path, features=stats) wrote in DIR, and print "
+                    "each graph's address (http://HOST:PORT/index.html?slug=...).")
+    view.add_argument("data", metavar="DIR", help="the graphs' directory (graph-metadata.json, features/)")
+    view.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    view.add_argument("--port", type=int, default=8032, help="port (default: %(default)s, circuit-tracer's)")
+    _debug_flag(view)
     return parser
 
 
@@ -300,7 +310,8 @@ def _explore_command(commands) -> None:
     explore.add_argument("--sae", nargs="+", default=[], metavar="DIR",
                          help="SAEs and transcoders for the features view: transcoder sets in circuit-tracer's "
                               "layout (config.yaml; 'embedded': the package's), SAELens directories (cfg.json; "
-                              "needs sae_lens)")
+                              "needs sae_lens). Default: the transcoders the --data directories' graph files were "
+                              "built with, where found (the embedded model's own, or a set in a --data folder)")
     explore.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     explore.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     _debug_flag(explore)
@@ -316,12 +327,18 @@ def _explore(args) -> int:
         raise ValueError(f"--model {args.model}: no such file or directory")
     listening = _listen(args.host, args.port)
     from hooked_models.explorer import serve  # lazily: --help and the other commands need no web server
-    from hooked_models.explorer.server import load_sae
+    from hooked_models.explorer.server import graph_transcoders, load_sae
     from hooked_models.families import load_model
 
     try:
         model = load_model(args.model, args.family, args.dtype)
         saes = {Path(path).name: load_sae(path, model) for path in args.sae}
+        if not args.sae and args.data:  # a graph's directory alone: its graphs' transcoders, where at hand
+            saes, notes = graph_transcoders(model, args.data, embedded=args.model == "embedded")
+            for line in notes:
+                print(f"features view: {line}", file=sys.stderr, flush=True)
+            if saes:
+                print(f"features view: the graphs' transcoders {', '.join(saes)} (no --sae given)", flush=True)
     except BaseException:
         listening.close()
         raise
@@ -359,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from hooked_models.corpus.store import HarvestInProgress
 
-    commands = {"explore": _explore, "harvest": _harvest, "patch": _patch, "train-transcoders": _train_transcoders}
+    commands = {"explore": _explore, "harvest": _harvest, "patch": _patch, "train-transcoders": _train_transcoders,
+                "view-graphs": _view_graphs}
     # Under torchrun every process runs this; process 0 alone reports (each raises the same error).
     reports = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -391,6 +409,13 @@ _INTERRUPTED = {
         f"the last checkpoint in {args.checkpoint} is kept; run the same command again to resume"
         if args.checkpoint else "nothing is kept (with --checkpoint DIR, a rerun resumes)"),
 }
+
+
+def _view_graphs(args) -> int:
+    from hooked_models.features.viewer import serve  # lazily: no torch for the other commands' --help
+
+    serve(args.data, port=args.port, host=args.host)
+    return 0
 
 
 def _harvest(args) -> int:

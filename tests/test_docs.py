@@ -55,6 +55,21 @@ def test_the_site_builds_strict(site):
             "notebooks/02_activation_patching.html"} <= pages, sorted(pages)
 
 
+def test_the_search_index_holds_no_notebook_furniture(site):
+    # A notebook's prompts ("In [5]:") and its copy buttons' hidden "Copied!" are not what a search should find;
+    # the pages still show them.
+    import json
+
+    index = json.loads((site / "search" / "search_index.json").read_text())["docs"]
+    notebooks = [d for d in index if d["location"].startswith("notebooks/")]
+    assert notebooks and any("run_with_cache" in d["text"] for d in notebooks)
+    for doc in notebooks:
+        assert "Copied!" not in doc["text"] and not re.search(r"(In|Out)(&nbsp;|\s)\[\d*\]:", doc["text"]), \
+            (doc["location"], doc["text"][:300])
+    page = (site / "notebooks" / "02_activation_patching.html").read_text()
+    assert "Copied!" in page and re.search(r"In(&nbsp;|\s)\[\d+\]:", page)
+
+
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
     """The link check can fail: the same sources with a link to a missing page and one to a missing anchor."""
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)

@@ -31,7 +31,10 @@ README = ROOT / "README.md"
 # The front page and every page of the site, in a fixed order.
 DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 # Optional tools a block may import; anything else it imports must be installed.
-OPTIONAL = {"sae_lens": "SAELens is not installed (the `sae` extra; CI's SAE environment runs this block)"}
+OPTIONAL = {"sae_lens": "SAELens is not installed (the `sae` extra; CI's SAE environment runs this block)",
+            # nnterp 1.3 pins nnsight 0.6, which no environment shares with this package's pins
+            "nnsight": "nnsight runs in .ci/nn-env (test_nnterp.py runs this block there)",
+            "nnterp": "nnterp runs in .ci/nn-env (test_nnterp.py runs this block there)"}
 # The programs whose command lines are checked; `python -m pytest` takes pytest's own options.
 UNCHECKED = ("-m pytest",)
 

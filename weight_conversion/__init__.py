@@ -1,1 +1,3 @@
-"""Converters from source checkpoints to hooked models, and back. Imports hooked_models, never the reverse."""
+"""Converters from source checkpoints to hooked models, and back."""
+
+# For developers: this package imports hooked_models, never the reverse (the contract in pyproject.toml).

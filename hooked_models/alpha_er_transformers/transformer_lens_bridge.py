@@ -46,6 +46,22 @@ class FactoredUnembeddingBridge(UnembeddingBridge):
         raise AttributeError("alpha-er's LM head is factored, up(LayerNorm(down(x))): it has no b_U")
 
 
+class WholeAttentionBridge(AttentionBridge):
+    """alpha-er's attention wrapped whole: its fused, factored QKV has no q/k/v/o submodules, so the
+    hook_q/k/v/z aliases are not declared (declared, each would warn at boot that it does not resolve, and
+    the bridge would then warn that a per-layer alias falls back to "the wrong tensor"; reading one raises
+    KeyError either way)."""
+
+    hook_aliases: dict = {}
+
+
+class WholeMLPBridge(MLPBridge):
+    """alpha-er's positional experts wrapped whole: no in/out submodules, so no hook_pre/hook_post aliases
+    (as WholeAttentionBridge's)."""
+
+    hook_aliases: dict = {}
+
+
 class AlphaErArchitectureAdapter(ArchitectureAdapter):
     """AlphaErForCausalLM's modules under TransformerLens's names; LayerNorm with bias, learned positions."""
 
@@ -63,8 +79,8 @@ class AlphaErArchitectureAdapter(ArchitectureAdapter):
             "blocks": BlockBridge(name="model.layers", submodules={
                 "ln1": NormalizationBridge(name="input_layernorm", config=self.cfg),
                 "ln2": NormalizationBridge(name="post_attention_layernorm", config=self.cfg),
-                "attn": AttentionBridge(name="self_attn", config=self.cfg),
-                "mlp": MLPBridge(name="mlp"),
+                "attn": WholeAttentionBridge(name="self_attn", config=self.cfg),
+                "mlp": WholeMLPBridge(name="mlp"),
             }),
             "ln_final": NormalizationBridge(name="model.norm", config=self.cfg),
             "unembed": FactoredUnembeddingBridge(name="lm_head"),

@@ -13,24 +13,23 @@
     sub = Subgraph(graph, supernodes={"say Mary": ["1_37_15", ...]}, pinned=[...])   # parts, edges, influence
     sub.save("graph.json"); Subgraph.load("graph.json", graph)  # the viewer's qParams in the graph file
     intervene_supernodes(model, prompt, transcoders, sub, scales=(-1, 0, 2))  # measured beside predicted
-
 Over a dataset: `attribute_dataset(model, prompts, transcoders, "out/graphs", engine="ray")` writes a graph
 per prompt to a `GraphStore`; `aggregate(store)` matches their nodes (how often each feature occurs, its
 influence's mean and spread, the edges between recurring features, the exceptions) and writes an aggregate
 graph file; `graphs_containing`, `cooccurring`, `supernode_shares` and `graphs_led_by` search the store.
-
-Laid out as circuit-tracer's `attribution/` and `graph.py`, one concern per module, each importing only
-those listed after it (the contract in pyproject.toml): supernode_intervention (`intervene_supernodes`) |
-dataset (`attribute_dataset`) | aggregate (`aggregate`) | search (`graphs_containing`, `cooccurring`,
-`supernode_shares`, `graphs_led_by`); store (`GraphStore`: a graph store's files and index); attribute
-(`attribute`) | intervention (`feature_intervention`, `feature_intervention_generate`, steering, the batched
-replacement run); attention (per-head loadings and QK, from one decomposition) | subgraph (`Subgraph`: pinned
-nodes, supernodes, their edges, influence and linear prediction); graph (nodes, pruning, scores) | heads (the
-loadings' reader) | decomposition (the forward decomposition of the residual stream) | targets (output nodes,
-the rows' input directions); subgraph_files (a subgraph as a graph file's qParams) | subgraph_plot (the
-subgraph and intervention figures); export (graph files, the drawing); qk (the QK reader and its tables) |
-replacement (the replacement model and its freezing).
 """
+
+# For developers, the package's layout: as circuit-tracer's `attribution/` and `graph.py`, one concern per
+# module, each importing only those listed after it (the contract in pyproject.toml): supernode_intervention
+# (`intervene_supernodes`) | dataset (`attribute_dataset`) | aggregate (`aggregate`) | search
+# (`graphs_containing`, `cooccurring`, `supernode_shares`, `graphs_led_by`); store (`GraphStore`: a graph store's
+# files and index); attribute (`attribute`) | intervention (`feature_intervention`, `feature_intervention_generate`,
+# steering, the batched replacement run); attention (per-head loadings and QK, from one decomposition) | subgraph
+# (`Subgraph`: pinned nodes, supernodes, their edges, influence and linear prediction); graph (nodes, pruning,
+# scores) | heads (the loadings' reader) | decomposition (the forward decomposition of the residual stream) |
+# targets (output nodes, the rows' input directions); subgraph_files (a subgraph as a graph file's qParams) |
+# subgraph_plot (the subgraph and intervention figures); export (graph files, the drawing); qk (the QK reader and
+# its tables) | replacement (the replacement model and its freezing).
 
 from hooked_models.attribution.aggregate import Aggregate, aggregate
 from hooked_models.attribution.attribute import attribute

@@ -57,10 +57,11 @@ def split_attention(prompt: Prompt, replica: Replica, graph: AttributionGraph, e
 
     track.reset(len(components), "decomposition")
     reads = loadings.reads() + (reader.reads() if reader else [])
-    for chunk in decompose(prompt, components, reads, batch_size, with_total=True, on_chunk=track.advance):
+    for chunk in decompose(prompt, components, reads, batch_size, others=reader is not None,
+                           on_chunk=track.advance):
         loadings.read(chunk.start, chunk.values)
         if reader:
-            reader.read(chunk.start, chunk.values, chunk.bias, chunk.total)
+            reader.read(chunk.start, chunk.values, chunk.bias, chunk.others)
     weights = graph.adjacency_matrix[edges[:, 0], edges[:, 1]]
     tables = {}
     if reader:
@@ -114,7 +115,8 @@ def check_entry(prompt: Prompt, entry) -> tuple[int, int, int, int]:
         if not 0 <= value < limit:
             raise ValueError(f"QK entry {tuple(entry)}: {name}={value} outside [0, {limit})")
     if k > q:
-        raise ValueError(f"QK entry {tuple(entry)}: key_pos={k} comes after query_pos={q} (masked)")
+        raise ValueError(f"QK entry {tuple(entry)}: key_pos={k} comes after query_pos={q}: attention is causal, "
+                         f"so that entry is masked, with no score to attribute")
     return layer, head, q, k
 
 

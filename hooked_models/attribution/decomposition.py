@@ -14,6 +14,7 @@ per-head loadings and the QK attributions both read it (hooked_models/attributio
         chunk.values[name]      # [component ...]: each component's contribution (row 0's subtracted)
         chunk.bias[name]        # [...]: the constant part (every node's writes zero)
         chunk.total[name]       # [...]: every node's writes at once (the first chunk only, `with_total`)
+        chunk.others[name]      # [...]: every node's but the components' (the first chunk only, `others`)
 """
 
 from collections.abc import Iterator, Sequence
@@ -40,36 +41,51 @@ class Component:
 @dataclass
 class Chunk:
     """One batch of components: `values[name]` [n ...] from `start` on, the `bias`, and the `total`
-    (the clean frozen forward's value) where asked."""
+    (the clean frozen forward's value) and the `others`' contribution where asked."""
 
     start: int
     values: dict[str, Tensor]
     bias: dict[str, Tensor]
     total: dict[str, Tensor] | None = None
+    others: dict[str, Tensor] | None = None
 
 
 _ALL = Component("all")  # every node's writes at once: the frozen forward itself
 
 
+@dataclass(frozen=True)
+class _AllBut:
+    """One row carrying every node's writes but those of `excluded`: the nodes not kept, as one component
+    whose contribution is one row's (one rounding), not the total less every kept one's (N roundings)."""
+
+    excluded: tuple[Component, ...]
+
+
 def decompose(prompt: Prompt, components: Sequence[Component], reads: Sequence[str], batch_size: int = 32,
-              with_total: bool = False, on_chunk=None) -> Iterator[Chunk]:
+              with_total: bool = False, others: bool = False, on_chunk=None) -> Iterator[Chunk]:
     """Each component's contribution to every value named in `reads` (hook names), `batch_size`
-    components per forward; `on_chunk(n)` is called after each with the number done (progress)."""
+    components per forward; `on_chunk(n)` is called after each with the number done (progress).
+    `with_total`: the frozen forward's values too; `others`: the contribution of every node that is not
+    one of `components`, from a row of its own (both in the first chunk)."""
     reads = list(reads)
     for start in range(0, max(len(components), 1), batch_size):
         chunk = list(components[start:start + batch_size])
-        extra = [None, _ALL] if with_total and start == 0 else [None]
+        extra = [None]
+        if start == 0:
+            extra += [_ALL] * with_total + [_AllBut(tuple(components))] * others
         captured = _run(prompt, extra + chunk, reads)
         n_extra = len(extra)
         bias = {name: value[0] for name, value in captured.items()}
         values = {name: value[n_extra:] - value[:1] for name, value in captured.items()}
-        total = {name: value[1] for name, value in captured.items()} if n_extra == 2 else None
-        yield Chunk(start, values, bias, total)
+        total = {name: value[1] for name, value in captured.items()} if _ALL in extra else None
+        rest = {name: value[n_extra - 1] - value[0] for name, value in captured.items()} if others and start == 0 \
+            else None
+        yield Chunk(start, values, bias, total, rest)
         if on_chunk is not None:
             on_chunk(len(chunk))
 
 
-def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> dict[str, Tensor]:
+def _run(prompt: Prompt, rows: Sequence[Component | _AllBut | None], reads: list[str]) -> dict[str, Tensor]:
     """The frozen model on one row per component (None: no node writes), the `reads` captured."""
     model, tcs = prompt.model, prompt.transcoders
     n, (seq, hidden) = len(rows), prompt.embedding.shape
@@ -77,6 +93,9 @@ def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> 
     embedding = torch.zeros(n, seq, hidden, dtype=dtype, device=prompt.embedding.device)
     writes = torch.zeros(tcs.n_layers, n, seq, hidden, dtype=dtype, device=embedding.device)
     for r, c in enumerate(rows):
+        if isinstance(c, _AllBut):
+            embedding[r], writes[:, r] = _writes_but(prompt, c.excluded)
+            continue
         if c is None or c is _ALL:
             continue
         if c.kind == "embedding":
@@ -116,6 +135,29 @@ def _run(prompt: Prompt, rows: Sequence[Component | None], reads: list[str]) -> 
     with torch.no_grad(), _nothing_discarded(prompt):
         model.run_with_hooks(prompt.tokens.expand(n, -1), fwd_hooks=hooks, stop_at_layer=model.cfg.num_layers)
     return {name: captured[name] for name in reads}
+
+
+def _writes_but(prompt: Prompt, excluded: Sequence[Component]) -> tuple[Tensor, Tensor]:
+    """The embedding [seq hidden] and the MLP outputs' writes [layer seq hidden] of every node but
+    `excluded`: the embeddings, errors and active features' decoder writes, summed in float64 and rounded
+    once to the prompt's dtype."""
+    dtype = prompt.embedding.dtype
+    embedding, writes = prompt.embedding.double().clone(), prompt.errors.double().clone()
+    keep = torch.ones(len(prompt.active), dtype=torch.bool, device=prompt.active.device)
+    for c in excluded:
+        if c.kind == "embedding":
+            embedding[c.pos] = 0
+        elif c.kind == "error":
+            writes[c.layer, c.pos] = 0
+        else:
+            keep[c.index] = False
+    for start, _, counts, decoders in prompt.feature_writes():
+        rows = torch.arange(start, start + sum(counts), device=keep.device)
+        rows = rows[keep[rows]]
+        scaled = prompt.activations[rows].double()[:, None]
+        for target, rows_at in decoders.items():
+            writes[target].index_add_(0, prompt.active[rows, 1], scaled * rows_at[rows - start].double())
+    return embedding.to(dtype), writes.to(dtype)
 
 
 @contextmanager

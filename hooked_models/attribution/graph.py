@@ -149,6 +149,9 @@ class AttributionGraph:
                                    ("query_pos", query_pos, self.n_pos), ("key_pos", key_pos, self.n_pos)):
             if not 0 <= value < limit:
                 raise ValueError(f"{name}={value} outside [0, {limit})")
+        if key_pos > query_pos:  # a query attends only to itself and earlier keys: the entry is masked
+            raise ValueError(f"key_pos={key_pos} comes after query_pos={query_pos}: attention is causal, so a query "
+                             f"reads no later key; that entry is masked, with no score to attribute")
         key = (layer, head, query_pos, key_pos)
         if key not in self.qk_tables:
             raise ValueError(f"no QK attribution computed for layer {layer}, head {head}, query {query_pos}, key "

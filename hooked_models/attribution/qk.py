@@ -8,7 +8,7 @@ exactly the sum over (query-side component, key-side component) pairs of scale Â
 (Kamath et al. 2025, "Tracing attention computation through feature interactions"; lm-saes'
 `attribution_qk.py`). Components: the kept graph's nodes, each with its full contribution (through
 every earlier attention layer: earlier heads are decomposed into the nodes they carry), the bias, and
-"other nodes" (every node not kept, lumped: the frozen forward's value less the rest). alpha-er caps
+"other nodes" (every node not kept, lumped: one decomposition row carrying all their writes). alpha-er caps
 the score (cap Â· tanh(score / cap)): the pairs decompose the raw score and the capped one is reported
 beside it.
 """
@@ -53,7 +53,10 @@ class QKTable:
 
     @property
     def capped(self) -> float:
-        return self.cap * math.tanh(self.score / self.cap) if self.cap else self.score
+        """The score the softmax saw: the cap applied to the model's own raw score (where recorded; the
+        pairs' sum carries each part's rounding, which the cap's slope can magnify next to a small score)."""
+        raw = self.model_score if math.isfinite(self.model_score) else self.score
+        return self.cap * math.tanh(raw / self.cap) if self.cap else raw
 
     def top(self, k: int = 20) -> list[dict]:
         """The k pairs of largest |value| (nonzero ones): {"query", "key", "value"}, strongest first."""
@@ -82,7 +85,6 @@ class QKReader:
         # Two more rows per entry: the bias, then the other nodes.
         self.queries = torch.zeros(len(entries), n_components + 2, head_dim, dtype=dtype)
         self.keys = torch.zeros_like(self.queries)
-        self.totals: tuple[Tensor, Tensor] | None = None
 
     @staticmethod
     def names_read(layer: int) -> tuple[str, str]:
@@ -96,23 +98,19 @@ class QKReader:
         queries, keys = self.names_read(layer)
         return values[queries][..., head, q, :], values[keys][..., head // self.groups, k, :]
 
-    def read(self, start: int, values: dict, bias: dict, total: dict | None) -> None:
+    def read(self, start: int, values: dict, bias: dict, others: dict | None) -> None:
+        """One chunk of the decomposition; the first carries the bias and the other nodes' row."""
         n = next(iter(values.values())).shape[0]
         for e in range(len(self.entries)):
             q, k = self._at(values, e)
             self.queries[e, start:start + n], self.keys[e, start:start + n] = q, k
             if start == 0:
                 self.queries[e, -2], self.keys[e, -2] = self._at(bias, e)
-        if total is not None:
-            self.totals = (torch.stack([self._at(total, e)[0] for e in range(len(self.entries))]),
-                           torch.stack([self._at(total, e)[1] for e in range(len(self.entries))]))
+                self.queries[e, -1], self.keys[e, -1] = self._at(others, e)
 
     def tables(self, names: list[str], scales: list[float], caps: list[float], model_scores: list[float],
                flows: list[float]) -> list[QKTable]:
-        """One table per entry; the other nodes' part is the frozen forward's query (key) less the rest."""
-        total_q, total_k = self.totals
-        self.queries[:, -1] = total_q - self.queries[:, :-1].sum(1)
-        self.keys[:, -1] = total_k - self.keys[:, :-1].sum(1)
+        """One table per entry: the components', the bias' and the other nodes' parts."""
         tables = []
         for e, (layer, head, q, k) in enumerate(self.entries):
             tables.append(QKTable(layer, head, q, k, [*names, BIAS, OTHERS], self.queries[e].clone(),

@@ -29,11 +29,11 @@ budget. `edge_attribution` estimates `edge_patch(..., [[edge]]) - clean metric` 
 (corrupted - clean output of the writer) · d metric / d (reader's input), the gradient taken on the clean run
 (EAP, Syed et al. 2023: one clean forward, one corrupted forward, one backward) or averaged over inputs whose
 embeddings lie between the clean and corrupted ones (EAP-IG, Hanna et al. 2024: `steps` interpolations, batched).
-
-One module per concern, each importing only those listed before it (the contract in pyproject.toml):
-layout (the nodes, hooks and edges of a model's graph), edge_patching (`edge_patch`, `path_patch`),
-diagram (`Graph.plot`'s drawing), graph (`Graph`, `graph`), eap (`edge_attribution`).
 """
+
+# For developers, the package's layout: one module per concern, each importing only those listed before it (the
+# contract in pyproject.toml): layout (the nodes, hooks and edges of a model's graph), edge_patching (`edge_patch`,
+# `path_patch`), diagram (`Graph.plot`'s drawing), graph (`Graph`, `graph`), eap (`edge_attribution`).
 
 from hooked_models.circuits.eap import METHODS, edge_attribution
 from hooked_models.circuits.edge_patching import edge_patch, path_patch

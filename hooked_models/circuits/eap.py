@@ -1,6 +1,8 @@
 """Edge attribution: every edge's score at once, EAP (one backward on the clean run) or EAP-IG (averaged
 over interpolated embeddings, batched)."""
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -11,6 +13,9 @@ from hooked_models.patching.runner import row_bytes
 from hooked_models.progress import ProgressArg, tracker
 
 METHODS = ("eap", "eap-ig")
+# EAP-IG's Riemann sum has converged long before this many steps (its papers use 5 to 100); a call with more
+# is warned, since each step is a forward and a backward of every pair (the explorer refuses more).
+MANY_STEPS = 1000
 
 
 # ------------------------------------------------------------------------------------- attribution
@@ -34,42 +39,57 @@ def edge_attribution(
     (k + 1/2) / steps of the way from the clean embeddings to the corrupted ones (integrated gradients on the
     embeddings); the steps run batched, `batch_size` of them per forward and backward (default: as many as
     `memory_budget` bytes allow). Many prompt pairs are scored at once: the metric averages over them.
+
+    Cost: EAP is two forwards and one backward of the pairs. EAP-IG is those two forwards plus, for each step,
+    one forward and one backward of every pair (the steps batched, so ceil(steps / batch_size) passes, each
+    `batch_size` times as wide): its time grows linearly in `steps`, about `steps` times EAP's backward.
+    More than `MANY_STEPS` (1,000) steps is warned, with the passes it will take.
     progress: False, True (a tqdm bar), None (a bar on a terminal when the steps take several forwards), or a
     callable handed a `hooked_models.progress.Step` in steps (EAP: one) after each backward; raising
     `Cancelled` stops it there, the model left as it was.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, not {method!r}")
-    if not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be a positive integer")
     layout = _Layout(model)
     clean, corrupted = _check_runs(model, clean, corrupted)
     batch, seq = clean.shape
-    corrupted_logits, corrupted_out = _writer_outputs(model, corrupted, layout, ["token_embeddings"])
-    corrupted_metric = float(_scalar(metric(corrupted_logits)))
     readers = [h.name for h in layout.reader_hooks]
     if method == "eap":
-        with tracker(progress, total=1, desc="edge attribution (eap)", unit="step", long=False) as done:
-            grads, clean_out, clean_metric = _reader_gradients(model, clean, metric, readers, layout)
-            done.advance()
+        total, per_forward = 1, 1
     else:
-        clean_logits, clean_out = _writer_outputs(model, clean, layout, ["token_embeddings"])
-        clean_metric = float(_scalar(metric(clean_logits)))
-        embeddings = (clean_out["token_embeddings"], corrupted_out["token_embeddings"])
         # A step holds a forward's activations and their gradients, with the split inputs (and theirs).
         per_step = 4 * row_bytes(model, clean) + _stream_bytes(model, clean) * 12 * model.cfg.n_heads
-        per_forward = batch_size or max(1, memory_budget // per_step)
-        alphas = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
-        grads = {}
-        with tracker(progress, total=steps, desc="edge attribution (eap-ig)", unit="step",
-                     long=steps > per_forward) as done:
+        total, per_forward = steps, batch_size or max(1, memory_budget // per_step)
+        if steps > MANY_STEPS:
+            passes = -(-steps // per_forward)
+            warnings.warn(f"steps={steps} is over {MANY_STEPS}: {passes} forward and backward passes of "
+                          f"{min(steps, per_forward)} x {batch} pairs x {seq} tokens, each step as costly as "
+                          f"EAP's backward; EAP-IG has converged long before (5 to 100 steps are usual). "
+                          f"progress=True shows a bar", stacklevel=2)
+    with tracker(progress, total=total, desc=f"edge attribution ({method})", unit="step",
+                 long=method == "eap-ig" and steps > per_forward) as done:
+        # 0 steps of `total`, said before the runs that precede the first step (a job reads no None meanwhile)
+        done.reset(total)
+        corrupted_logits, corrupted_out = _writer_outputs(model, corrupted, layout, ["token_embeddings"])
+        corrupted_metric = float(_scalar(metric(corrupted_logits)))
+        if method == "eap":
+            grads, clean_out, clean_metric = _reader_gradients(model, clean, metric, readers, layout)
+            done.advance()
+        else:
+            clean_logits, clean_out = _writer_outputs(model, clean, layout, ["token_embeddings"])
+            clean_metric = float(_scalar(metric(clean_logits)))
+            embeddings = (clean_out["token_embeddings"], corrupted_out["token_embeddings"])
+            alphas = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
+            grads = {}
             for start in range(0, steps, per_forward):
                 part, _, _ = _reader_gradients(model, clean, metric, readers, layout, embeddings,
                                                alphas[start:start + per_forward])
                 for name, g in part.items():
                     grads[name] = g if name not in grads else grads[name] + g
                 done.advance(len(alphas[start:start + per_forward]))
-        grads = {name: g / steps for name, g in grads.items()}
+            grads = {name: g / steps for name, g in grads.items()}
     scores = _scores(layout, corrupted_out, clean_out, grads, seq, clean.device)
     return Graph(list(layout.edges), scores, method if method == "eap" else f"eap-ig ({steps} steps)",
                  clean_metric, corrupted_metric, dict(layout.sizes))

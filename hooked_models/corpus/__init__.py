@@ -18,12 +18,12 @@ A harvest writes each shard to a temporary name and renames it into place, and t
 shards done, so a run killed at any point is finished by running it again: no shard missing or written
 twice. A shard's rows and batches are fixed by the plan, not by the engine or by which worker ran it,
 so the output is the same bytes whichever engine, worker count or interruption produced it.
-
-One module per concern, each importing only those listed before it (the contract in pyproject.toml):
-source (the model), data (the corpus read and packed), engines (local and Ray), store (the harvest's
-directory: windows, shards, manifest, lock), harvester (`harvest`), patcher (`patch`). The public names
-below are imported from them on first use, so the command line's --help imports no torch.
 """
+
+# For developers, the package's layout: one module per concern, each importing only those listed before it (the
+# contract in pyproject.toml): source (the model), data (the corpus read and packed), engines (local and Ray), store
+# (the harvest's directory: windows, shards, manifest, lock), harvester (`harvest`), patcher (`patch`). The public
+# names below are imported from them on first use, so the command line's --help imports no torch.
 
 
 import importlib

@@ -3,22 +3,25 @@
 The bounds come from the model and the machine (`Limits.of`), go into the request models as pydantic
 Field constraints (so FastAPI's OpenAPI schema, /api/openapi.json, states them), and are checked before
 any work: a request over one is a 400 naming the value and the bound (server.py turns pydantic's
-validation error into that message). Bounds that need the prompt's tokens (a sweep's size) are checked
-in server.py with the same words, before the job is queued.
+validation error into that message). A field a body does not have is refused the same way, naming it
+(a misspelt `"step"` would otherwise be dropped and the request run with the default). Bounds that need
+the prompt's tokens (a sweep's size) are checked in server.py with the same words, before the job is queued.
 """
 
 import os
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from hooked_models.circuits.eap import MANY_STEPS
 
 MAX_TOP_K = 50  # a list of predictions or features longer than this is not read in a page
 # Tokenizing this many characters takes milliseconds; anything longer is cut by the model's positions anyway.
 MAX_PROMPT_CHARS = 100_000
 # The Riemann sum of EAP-IG's integral converges long before this (its papers use 5 to 100 steps); more
-# steps only take longer.
-MAX_STEPS = 1000
+# steps only take longer. The library warns past the same number.
+MAX_STEPS = MANY_STEPS
 # A patching heatmap of more cells than this is not readable in a page (and every cell is a patched run).
 MAX_PATCHES = 2**16
 MAX_NAME = 300  # a value, a hook, a node or a token's text; the model's own names are far shorter
@@ -54,6 +57,10 @@ class Limits:
         return dict(vars(self))
 
 
+# Unknown fields are refused ("extra_forbidden"), not ignored.
+STRICT = ConfigDict(extra="forbid")
+
+
 def request_models(limits: Limits) -> dict[str, type[BaseModel]]:
     """The request bodies for one model's bounds, by name."""
     prompt = Field(min_length=1, max_length=limits.prompt_chars, description="text; cut to the model's positions")
@@ -61,26 +68,29 @@ def request_models(limits: Limits) -> dict[str, type[BaseModel]]:
     name = Field(min_length=1, max_length=MAX_NAME)
     pair = {"clean": (str, prompt), "corrupted": (str, prompt), "answer": (str, token), "wrong": (str, token)}
 
+    def body(title: str, **fields) -> type[BaseModel]:
+        return create_model(title, __config__=STRICT, **fields)
+
     models = {
-        "PromptRequest": create_model(
+        "PromptRequest": body(
             "PromptRequest", prompt=(str, prompt),
             top_k=(int, Field(5, ge=1, le=limits.top_k, description="predictions listed per position")),
             # the token the logit lens follows (default: the prediction at the last position)
             answer=(str | None, Field(None, max_length=MAX_NAME))),
-        "PairRequest": create_model("PairRequest", **pair),
-        "PatchRequest": create_model(
+        "PairRequest": body("PairRequest", **pair),
+        "PatchRequest": body(
             "PatchRequest", **pair, value=(str, Field("layer_input", min_length=1, max_length=MAX_NAME)),
             over=(list[str] | None, Field(None, max_length=8, description="the value's axes to sweep")),
             direction=(Literal["denoising", "noising"], "denoising")),
-        "CircuitRequest": create_model(
+        "CircuitRequest": body(
             "CircuitRequest", **pair, method=(Literal["eap-ig", "eap"], "eap-ig"),
             steps=(int, Field(5, ge=1, le=limits.steps, description="EAP-IG's integration steps"))),
-        "EdgeRequest": create_model("EdgeRequest", **pair, writer=(str, name), reader=(str, name)),
-        "GraphRequest": create_model("GraphRequest", path=(str, Field(min_length=1, max_length=MAX_PATH))),
-        "FeatureRequest": create_model(
+        "EdgeRequest": body("EdgeRequest", **pair, writer=(str, name), reader=(str, name)),
+        "GraphRequest": body("GraphRequest", path=(str, Field(min_length=1, max_length=MAX_PATH))),
+        "FeatureRequest": body(
             "FeatureRequest", harvest=(str, Field(min_length=1, max_length=MAX_PATH)), sae=(str, name),
             feature=(int, Field(ge=0, le=2**31 - 1, description="below the SAE's width"))),
-        "SearchRequest": create_model(
+        "SearchRequest": body(
             "SearchRequest", harvest=(str, Field(min_length=1, max_length=MAX_PATH)), sae=(str, name),
             token=(str, token), k=(int, Field(10, ge=1, le=MAX_TOP_K))),
     }
@@ -95,6 +105,8 @@ def validation_message(errors: list[dict]) -> str:
         where = ".".join(str(part) for part in error["loc"] if part != "body")
         given = error.get("input")
         shown = repr(given) if not isinstance(given, str) or len(given) <= 40 else f"{len(given)} characters"
-        parts.append(f"{where or 'the body'}={shown}: {error['msg']}" if "input" in error and error["type"] !=
-                     "missing" else f"{where}: {error['msg']}")
+        # pydantic's "Extra inputs are not permitted" does not say that the name itself is what is wrong
+        msg = "not a field of this request" if error["type"] == "extra_forbidden" else error["msg"]
+        parts.append(f"{where or 'the body'}={shown}: {msg}" if "input" in error and error["type"] !=
+                     "missing" else f"{where}: {msg}")
     return "; ".join(parts)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import yaml
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -37,8 +38,9 @@ from hooked_models.explorer.graph_file import GraphFile
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
 from hooked_models.explorer.requests import Limits, request_models, validation_message
+from hooked_models.features.circuit_tracer_files import FEATURE_NODE, METADATA as GRAPH_LIST
 from hooked_models.features.results import META as STATISTICS
-from hooked_models.transcoders import TranscoderSet
+from hooked_models.transcoders import TranscoderSet, load_transcoders
 from hooked_models.saes import sae_hook_name
 
 STATIC = Path(__file__).parent / "static"
@@ -250,9 +252,10 @@ class Explorer:
 
     @staticmethod
     def _entry(path: Path, shown: str) -> dict:
+        # circuit-tracer's graph-metadata.json lists the graphs of its directory: JSON, but not a graph
         kind = ("harvest" if (path / "manifest.json").is_file() else "statistics" if (path / STATISTICS).is_file()
                 else "directory") if path.is_dir() else (
-            "json" if path.suffix == ".json" else "file")
+            "graph list" if path.name == GRAPH_LIST else "json" if path.suffix == ".json" else "file")
         entry = {"name": path.name or shown, "path": shown, "kind": kind}
         if kind in ("harvest", "statistics"):  # the values it holds: the features view picks one that fits its SAE
             entry["values"] = _values_held(path, kind)
@@ -409,8 +412,6 @@ def load_sae(path: str | Path, model) -> nn.Module:
     `transcoders.load_transcoders`, "embedded" for the package's own), or an SAE SAELens saved (cfg.json and
     sae_weights.safetensors), loaded by SAELens."""
     if str(path) == "embedded" or (Path(path) / "config.yaml").is_file():
-        from hooked_models.transcoders import load_transcoders
-
         return load_transcoders(path, model)
     path = Path(path)
     if not (path / "cfg.json").is_file():
@@ -420,6 +421,79 @@ def load_sae(path: str | Path, model) -> nn.Module:
     except ImportError:
         raise ImportError(f"loading the SAE at {path} needs sae_lens (the package's `sae` extra)") from None
     return SAE.load_from_disk(str(path))
+
+
+def graph_transcoders(model, data: Sequence[str | Path], embedded: bool) -> tuple[dict[str, nn.Module], list[str]]:
+    """With no SAE named: the transcoder sets the graph files in the `data` directories were built with, where
+    they are at hand: the package's own ("embedded", when the model is the embedded one) and every transcoder
+    set (config.yaml) in a data directory or a folder of one, by name ("embedded", or the folder's).
+
+    A set is a graph's when its input hooks are the graph's `transcoder_list` and it gives the graph's
+    feature nodes their activations: for a graph `to_json` wrote (its tokens kept), the set encodes the
+    model's run on those tokens to each node's activation (within 1e-4 of it, relative); for another
+    graph file, every node's feature index is below the set's width. Returns the sets and a line for each
+    graph no set fits (or a set that did not load), to tell the user."""
+    graphs = _graph_files(data, Limits.of(model).graph_bytes)
+    candidates = {"embedded": "embedded"} if embedded else {}
+    for root in data:
+        for config in sorted([*Path(root).glob("config.yaml"), *Path(root).glob("*/config.yaml")]):
+            candidates.setdefault(config.parent.name, str(config.parent))
+    offered, notes, fitted = {}, [], set()
+    if not graphs:
+        return offered, notes
+    for name, source in candidates.items():
+        try:
+            found = load_transcoders(source, model)
+        except (OSError, ValueError, KeyError, yaml.YAMLError) as error:
+            notes.append(f"{source}: not loaded as transcoders ({error})")
+            continue
+        # the features view opens a per-layer set's features (a cross-layer transcoder's are not offered)
+        fits = [file for file, graph in graphs.items()
+                if isinstance(found, TranscoderSet) and _fits(model, found, graph)]
+        if fits:
+            offered[name] = found
+            fitted.update(fits)
+    notes += [f"{file}: no transcoder set at hand gives its features' activations (name its set with --sae DIR)"
+              for file in graphs if file not in fitted]
+    return offered, notes
+
+
+def _graph_files(data: Sequence[str | Path], too_big: int) -> dict[str, dict]:
+    """The graph files (their `metadata.transcoder_list` not empty) at the top of the data directories, by
+    name, parsed; a file over `too_big` bytes (the graph view's own bound) is not read."""
+    graphs = {}
+    for root in data:
+        for path in sorted(Path(root).glob("*.json")):
+            if path.name == GRAPH_LIST or path.stat().st_size > too_big:
+                continue
+            try:
+                graph = json.loads(path.read_text())
+                if graph["metadata"]["transcoder_list"] and isinstance(graph["nodes"], list):
+                    graphs.setdefault(path.name, graph)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not a graph file: the graph view says why when it is opened
+    return graphs
+
+
+def _fits(model, transcoders: TranscoderSet, graph: dict) -> bool:
+    """Whether `transcoders` are the ones `graph` (a parsed graph file) was built with (graph_transcoders)."""
+    hooks = [transcoders.input_hook(layer) for layer in range(transcoders.n_layers)]
+    if list(graph["metadata"]["transcoder_list"]) != hooks:
+        return False
+    nodes = [(int(n["layer"]), int(n["node_id"].split("_")[1]), int(n["ctx_idx"]), n.get("activation"))
+             for n in graph["nodes"] if n.get("feature_type") == FEATURE_NODE]
+    if any(not 0 <= layer < len(hooks) or not 0 <= f < transcoders[layer].d_transcoder for layer, f, _, _ in nodes):
+        return False
+    tokens = (graph.get("hooked_models") or {}).get("tokens")
+    if not tokens or not nodes:
+        return True
+    with torch.no_grad():
+        _, cache = model.run_with_cache(torch.tensor([tokens]), names_filter=hooks)
+        for layer, feature, pos, activation in nodes:
+            value = float(transcoders[layer].encode(cache[hooks[layer]][0, pos])[feature])
+            if activation is None or abs(value - activation) > 1e-4 * max(abs(activation), 1e-6):
+                return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------- app

@@ -7,13 +7,13 @@
     features.search_by_token(model, "out/acts", sae, " Mary", k=10)   # the features that fire on a token
     graph.to_json("graphs/ioi.json", features=stats)                  # circuit-tracer's viewer, labelled
     features.write_neuronpedia(stats, "exports", "my-model", "tc")    # Neuronpedia's bulk layout
-
-One module per concern, each importing only those listed before it (the contract in pyproject.toml):
-`reading` (a harvest's column for an SAE, a batch at a time) and `partial` (partial statistics and the one
-reducer that merges them exactly); `results` (a statistics result, saved and loaded); `statistics` (the
-one pass, local or Ray) and `dashboards` (one feature at a time); `labels` and `exporters` (circuit-tracer's
-feature files, Neuronpedia's bulk layout), plain readers and writers of one result.
 """
+
+# For developers, the package's layout: one module per concern, each importing only those listed before it (the
+# contract in pyproject.toml): `reading` (a harvest's column for an SAE, a batch at a time) and `partial` (partial
+# statistics and the one reducer that merges them exactly); `results` (a statistics result, saved and loaded);
+# `statistics` (the one pass, local or Ray) and `dashboards` (one feature at a time); `labels` and `exporters`
+# (circuit-tracer's feature files, Neuronpedia's bulk layout), plain readers and writers of one result.
 
 from hooked_models.features.circuit_tracer_files import write_feature_files
 from hooked_models.features.dashboards import Dashboard, dashboard, logit_effects, search_by_token

@@ -23,12 +23,12 @@ the batch with its own patch (a `torch.where` against a per-copy mask), copies j
 their own layer, and the forwards are sized to a memory budget. Attribution patching (Nanda 2023,
 "Attribution Patching") estimates every patch at once from one forward and one backward:
 effect ≈ Σ grad · (source − base).
-
-One module per concern, each importing only those listed before it (the contract in pyproject.toml):
-inputs (tokens, metric, direction), sites (the hook points, the grid and its patches), result
-(`PatchingResult`), runner (which patches share a forward, and running them), activation
-(`activation_patch`), attribution (`attribution_patch`), sweeps (the named sweeps).
 """
+
+# For developers, the package's layout: one module per concern, each importing only those listed before it (the
+# contract in pyproject.toml): inputs (tokens, metric, direction), sites (the hook points, the grid and its
+# patches), result (`PatchingResult`), runner (which patches share a forward, and running them), activation
+# (`activation_patch`), attribution (`attribution_patch`), sweeps (the named sweeps).
 
 from hooked_models.patching.activation import activation_patch
 from hooked_models.patching.attribution import attribution_patch

@@ -9,16 +9,18 @@
     clt.decode_to(1, {0: acts0, 1: acts1})     # decoders from each layer to it and every later one
 
 Names, layouts and files follow circuit-tracer (`SingleLayerTranscoder`, `TranscoderSet`,
-`CrossLayerTranscoder`), and so does the package: one module per concern, each importing only those
-listed before it (the contract in pyproject.toml): `activation_functions` (relu, topk, jumprelu and its
-straight-through gradient) and `identity` (the hooks read and written, the model a set is for); `files`
-(circuit-tracer's config.yaml, SAELens's class names, the replacement model's hooks);
-`single_layer_transcoder` (`Transcoder`, `TranscoderSet`) and `cross_layer_transcoder`; `lazy`
-(`LazyTranscoderSet`: a saved set read from its files as it is used); `loading` (`load_transcoders`);
-`evaluation` (`evaluate`: FVU, L0, dead features, loss recovered and KL over a dataset, streamed) and
-`fidelity` (`transcoder_fidelity`, one batch); `training/` (`train_transcoders`: streamed from the live
-model or from a harvest, across processes, resumable; a package of its own).
+`CrossLayerTranscoder`). `load_transcoders` reads a saved set (`lazy=True`: layer by layer as used),
+`evaluate` measures FVU, L0, dead features, loss recovered and KL over a dataset, `transcoder_fidelity`
+one batch, and `training` trains them (streamed from the live model or from a harvest, across processes,
+resumable).
 """
+
+# For developers, the package's layout: one module per concern, each importing only those listed before it (the
+# contract in pyproject.toml): `activation_functions` (relu, topk, jumprelu and its straight-through gradient) and
+# `identity` (the hooks read and written, the model a set is for); `files` (circuit-tracer's config.yaml,
+# SAELens's class names, the replacement model's hooks); `single_layer_transcoder` (`Transcoder`, `TranscoderSet`)
+# and `cross_layer_transcoder`; `lazy` (`LazyTranscoderSet`); `loading` (`load_transcoders`); `evaluation`
+# (`evaluate`) and `fidelity` (`transcoder_fidelity`); `training/` (a package of its own).
 
 from hooked_models.transcoders.activation_functions import ACTIVATIONS, JUMPRELU_BANDWIDTH, jumprelu, step, topk_relu
 from hooked_models.transcoders.cross_layer_transcoder import CrossLayerTranscoder

@@ -34,6 +34,16 @@ def test_the_tutorials_are_all_here():
     assert [n.name[:2] for n in run_notebooks.NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
 
 
+def test_the_tutorials_are_titled_alike():
+    # The site's Tutorials section is titled by each notebook's first heading: "# 9. ...", as "# 1. ..."
+    import json
+
+    for path in run_notebooks.NOTEBOOKS:
+        first = next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+        title = "".join(first["source"]).splitlines()[0]
+        assert re.fullmatch(rf"# {int(path.name[:2])}\. \S.*", title), (path.name, title)
+
+
 def printed(notebook) -> list[str]:
     """Each code cell's printed text and results' plain text, in order."""
     return ["".join(o.get("text", "") if o.output_type == "stream" else o.get("data", {}).get("text/plain", "")

@@ -452,6 +452,8 @@ def test_bad_arguments_are_clear_and_leave_no_hook(tl_model):
         circuits.edge_attribution(tl_model, clean, corrupted, metric, method="ig")
     with pytest.raises(ValueError, match="steps=0 must be a positive integer"):
         circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=0)
+    with pytest.raises(ValueError, match="steps=True must be a positive integer"):
+        circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=True)
     with pytest.raises(ValueError, match="must have one shape"):
         circuits.edge_patch(tl_model, clean, corrupted[:, :-1], metric, [[]])
 
@@ -468,3 +470,42 @@ def test_bad_arguments_are_clear_and_leave_no_hook(tl_model):
     tl_model.eval()
     assert not any(p.fwd_hooks or p.bwd_hooks for p in tl_model.standard_hook_dict.values())
     assert tl_model.context_level == 0
+
+
+def test_many_eap_ig_steps_are_warned_with_their_cost(tl_model):
+    # Over MANY_STEPS (1,000) a call is warned before any pass, naming the passes; at the bound it is not.
+    # A progress callable stops each run at its first report, so neither runs its steps.
+    import warnings
+
+    from hooked_models.progress import Cancelled
+
+    clean, corrupted = prompts(tl_model)
+
+    def stop(step):
+        raise Cancelled("one pass is enough")
+
+    with pytest.warns(UserWarning, match=r"steps=1001 is over 1000: 501 forward and backward passes of 2 x "
+                                         rf"{clean.shape[0]} pairs x {clean.shape[1]} tokens"):
+        with pytest.raises(Cancelled):
+            circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=1001, batch_size=2, progress=stop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Cancelled):
+            circuits.edge_attribution(tl_model, clean, corrupted, metric, steps=1000, batch_size=2, progress=stop)
+
+
+@pytest.mark.parametrize("method", ["eap-ig", "eap"])
+def test_progress_says_zero_steps_before_the_first_run(tl_model, method):
+    # The two runs before EAP-IG's first step take a while on a large model: the callable hears "0 of total"
+    # before any of them, so a job's progress reads 0, not None, meanwhile (and a cancel is heard there).
+    clean, corrupted = prompts(tl_model)
+    forwards, seen = [], []
+    handle = tl_model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        circuits.edge_attribution(tl_model, clean, corrupted, metric, method, steps=3, batch_size=1,
+                                  progress=lambda step: seen.append((step.done, step.total, len(forwards))))
+    finally:
+        handle.remove()
+    total = {"eap-ig": 3, "eap": 1}[method]
+    assert seen[0] == (0, total, 0)
+    assert [done for done, _, _ in seen] == list(range(total + 1))

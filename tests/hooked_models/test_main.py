@@ -201,3 +201,26 @@ def test_a_ray_run_starts_no_more_actors_than_units(monkeypatch):
     for units, workers in ((1, 2), (3, 2), (5, 8)):
         list(engines.run(object, None, None, [{"shard": s} for s in range(units)], "ray", workers))
     assert sizes == [1, 2, 5]
+
+
+def test_explore_with_data_and_no_sae_serves_the_graphs_transcoders(tmp_path, monkeypatch, capsys):
+    # `explore --data DIR` alone, DIR holding a graph of the shipped transcoders: the features view gets them
+    # (before, it had none and failed with sae=''); serving itself is replaced by a recorder.
+    import socket
+
+    import hooked_models.explorer
+    from hooked_models import HookedArcee
+    from hooked_models.attribution import attribute
+    from hooked_models.transcoders import load_transcoders
+
+    model = HookedArcee.from_pretrained("embedded")
+    attribute(model, "When Mary and John went to the store, John gave a drink to",
+              load_transcoders("embedded", model), batch_size=256).to_json(tmp_path / "ioi.json")
+    served = {}
+    monkeypatch.setattr(hooked_models.explorer, "serve", lambda model, data, saes, **kw: served.update(saes=saes))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["explore", "--data", str(tmp_path), "--port", str(port)]) == 0
+    assert list(served["saes"]) == ["embedded"]
+    assert "the graphs' transcoders embedded (no --sae given)" in capsys.readouterr().out

@@ -34,7 +34,14 @@ export function fitHarvest() {
 }
 
 // ------------------------------------------------------------------------------------------ features
+// The server was started with no SAE and found none for its graphs: say what to do, not sae=''.
+function needSae(sae) {
+  if (!sae) throw new Error("this explorer serves no SAE or transcoder: start it with --sae DIR (or --data with " +
+                            "graph files whose transcoders it can find)");
+}
+
 export async function openFeature(sae, feature, target = "feature-board") {
+  needSae(sae);
   const board = await runJob("/api/features/dashboard", {harvest: $("feature-harvest").value, sae, feature},
                              "feature-progress");
   renderBoard(board, $(target));
@@ -79,6 +86,7 @@ function renderBoard(board, container) {
 
 export async function searchFeatures() {
   const sae = $("feature-sae").value;
+  needSae(sae);
   const result = await runJob("/api/features/search",
     {harvest: $("feature-harvest").value, sae, token: $("feature-token").value, k: 10}, "feature-progress");
   const found = $("feature-found");

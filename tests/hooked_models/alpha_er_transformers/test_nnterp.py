@@ -71,3 +71,29 @@ def test_nnterp_logit_lens_equals_ours(read_by_nnterp):
         lens = cache.logit_lens(positions=None).values
     for i in range(model.cfg.n_layer):
         assert torch.equal(read[f"logit_lens.{i}"], lens[i + 1]), i
+
+
+def test_the_guides_nnsight_and_nnterp_block_runs_there(tmp_path):
+    """docs/guide/alpha-er-in-transformers.md's nnsight/nnterp block (which the README's block runner skips:
+    nnsight is not in the main environment) runs in the side environment as written, on the checkpoint the
+    block before it writes (the embedded alpha-er in transformers' format)."""
+    if not NN_PYTHON.exists():
+        pytest.skip(f"needs nnsight and nnterp in {NN_PYTHON} (bash .ci/nn-env.sh builds it)")
+    import re
+
+    page = (ROOT / "docs" / "guide" / "alpha-er-in-transformers.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    write = next(b for b in blocks if 'save_pretrained("alpha-er-hf"' in b)
+    trace = next(b for b in blocks if "load_standardized" in b)
+    # the first block, in this environment, where the second will look for its checkpoint
+    previous = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(write, "write", "exec"), {"__name__": "__main__"})
+    finally:
+        os.chdir(previous)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([str(NN_PYTHON), "-c", trace], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().splitlines()[-1] == "(2, 16, 64) (2, 4, 16, 16) (2, 16, 64)"

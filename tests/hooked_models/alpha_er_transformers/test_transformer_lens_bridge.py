@@ -55,3 +55,26 @@ def test_what_the_bridge_cannot_give_is_absent_not_wrong(bridge_and_ours):
     bridge, _ = bridge_and_ours
     with pytest.raises(AttributeError, match="no attribute 'W_U'"):
         bridge.unembed.W_U
+
+
+def test_boot_does_not_warn_of_hooks_alpha_er_never_had(tmp_path, bridge_and_ours):
+    # The fused, factored attention and the experts are wrapped whole: hook_q/k/v/z and the MLP's hook_pre/post
+    # are not declared, so booting says nothing of them (TransformerLens's stock bridges warned seven times,
+    # one calling such a hook "the wrong tensor for this layer") and reading one is a KeyError.
+    import warnings
+
+    _, ours = bridge_and_ours
+    ours.save_pretrained(tmp_path / "alpha-er", format="transformers")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bridge = TransformerBridge.boot_transformers(str(tmp_path / "alpha-er"), device="cpu")
+        tokens = torch.zeros(1, ours.cfg.block_size, dtype=torch.long)
+        with torch.no_grad():
+            _, cache = bridge.run_with_cache(tokens)
+    from_lens = [str(w.message) for w in seen if "transformer_lens" in w.filename]
+    assert from_lens == []
+    for name in ("blocks.0.attn.hook_q", "blocks.0.attn.hook_z", "blocks.0.mlp.hook_pre", "blocks.0.mlp.hook_post"):
+        assert name not in bridge.hook_dict
+        with pytest.raises(KeyError):
+            cache[name]
+    assert "blocks.0.attn.hook_pattern" in bridge.hook_dict and "blocks.0.mlp.hook_out" in bridge.hook_dict

@@ -126,3 +126,28 @@ def test_the_shortcuts_change_no_bit(family_setup, monkeypatch):
             assert got.keys() == want.keys()
             for name in got:
                 assert torch.equal(got[name], want[name]), name
+
+
+def test_the_others_row_is_the_sum_of_the_nodes_left_out(family_setup):
+    """`others=True`: one row carrying every node's writes but the components' (a feature of each kind, an
+    error and an embedding left in the components, every third node out) contributes what the nodes left
+    out contribute one by one, summed: within 1e-5 of their magnitude at every value read, through the
+    cross-layer decoders and every later layer."""
+    model, tcs, tokens = family_setup
+    prompt = Prompt(model, tokens[None], tcs)
+    nodes = every_node(prompt)
+    kept = [c for i, c in enumerate(nodes) if i % 3]
+    left = [c for i, c in enumerate(nodes) if not i % 3]
+    assert {c.kind for c in kept} == {c.kind for c in left} == {"feature", "error", "embedding"}
+    names = reads(model)
+    others = next(iter(decompose(prompt, kept, names, batch_size=len(kept), others=True))).others
+    one_by_one = {name: 0 for name in names}
+    magnitude = {name: 0 for name in names}
+    for chunk in decompose(prompt, left, names, batch_size=16):
+        for name, value in chunk.values.items():
+            one_by_one[name] = one_by_one[name] + value.sum(0)
+            magnitude[name] = magnitude[name] + value.abs().sum(0)
+    for name in names:
+        gap = (others[name] - one_by_one[name]).abs() / magnitude[name].clamp(min=1e-30)
+        assert gap.max() < 1e-5, (name, float(gap.max()))
+    assert float(others[names[-1]].abs().max()) > 0

@@ -125,7 +125,7 @@ def real_graph(arcee, transcoders):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory, arcee, real_graph):
     """A directory the server may read: a harvest (`acts`) of the residual stream after layer 1 and of each
-    MLP's input (the transcoders'), a graph file built by hand, one `attribute` wrote, and two bad ones;
+    MLP's input (the transcoders'), a graph file built by hand, one `attribute` wrote, a graph list, two bad ones;
     beside it, outside it, a secret file and a symlink inside pointing at it."""
     import datasets
 
@@ -140,6 +140,8 @@ def data_dir(tmp_path_factory, arcee, real_graph):
                    str(data / "acts"), context_size=16, progress=False)
     (data / "graph.json").write_text(json.dumps(graph_file(arcee.to_str_tokens(PROMPT))))
     real_graph.to_json(data / "real_graph.json")
+    # circuit-tracer's list of the directory's graphs (as features.write_beside_graph writes it): not a graph
+    (data / "graph-metadata.json").write_text(json.dumps({"graphs": [{"slug": "real_graph"}]}))
     (data / "broken.json").write_text('{"metadata": {"slug": ')
     (data / "not_a_graph.json").write_text(json.dumps({"metadata": {"slug": "x"}, "nodes": [], "links": []}))
     (root / "secret.txt").write_text("outside the data directory")

@@ -221,6 +221,10 @@ REFUSED = [
     ("/api/prompt", {"prompt": "a " * 50_001}, 400, "prompt=100002 characters: String should have at most 100000"),
     ("/api/circuit", {**PAIR, "steps": 100_000_000}, 400, "steps=100000000: Input should be less than or equal to 1000"),
     ("/api/circuit", {**PAIR, "method": "magic"}, 400, "method='magic': Input should be 'eap-ig' or 'eap'"),
+    # a misspelt field is refused, not dropped (else this ran EAP-IG with its default 5 steps)
+    ("/api/circuit", {**PAIR, "step": 100_000_000, "methd": "eap"}, 400,
+     "step=100000000: not a field of this request; methd='eap': not a field of this request"),
+    ("/api/graph", {"path": "graph.json", "layout": "tree"}, 400, "layout='tree': not a field of this request"),
     ("/api/features/search", {"harvest": "acts", "sae": "resid 1", "token": " Mary", "k": 51}, 400,
      "k=51: Input should be less than or equal to 50"),
     ("/api/features/dashboard", {"harvest": "acts", "sae": "resid 1", "feature": -1}, 400,
@@ -303,6 +307,8 @@ def test_files_list_only_under_the_data_directories(client, data_dir):
     listed = client.get("/api/files", params={"path": str(data_dir)}).json()["entries"]
     kinds = {e["name"]: e["kind"] for e in listed}
     assert kinds["acts"] == "harvest" and kinds["graph.json"] == "json"
+    # circuit-tracer's list of the directory's graphs is JSON but not a graph: the picker (kind "json") skips it
+    assert kinds["graph-metadata.json"] == "graph list"
     for outside in ("..", str(data_dir.parent), "/"):
         answer = client.get("/api/files", params={"path": outside})
         assert answer.status_code == 403 and "outside the data directories" in answer.json()["error"]
@@ -357,3 +363,36 @@ def test_the_command_line_parses_explore():
     args = build_parser().parse_args(["explore", "--family", "alpha-er", "--data", "a", "b", "--port", "8123"])
     assert (args.command, args.model, args.family, args.data, args.port, args.host) == (
         "explore", "embedded", "alpha-er", ["a", "b"], 8123, "127.0.0.1")
+
+
+def test_with_no_sae_the_graphs_transcoders_are_offered(tmp_path, arcee, real_graph, transcoders):
+    # `explore --data DIR` without --sae: a graph's directory alone offers the transcoders its graphs name
+    from hooked_models.explorer.server import graph_transcoders
+    from hooked_models.transcoders import load_transcoders
+
+    data = tmp_path / "data"
+    data.mkdir()
+    real_graph.to_json(data / "ioi.json")                 # built with `transcoders`, not the shipped ones
+    (data / "graph-metadata.json").write_text('{"graphs": [{"slug": "ioi"}]}')
+    found, notes = graph_transcoders(arcee, [data], embedded=True)
+    # the shipped set reads the same hooks, but gives the graph's features other activations: not offered
+    assert found == {} and notes == ["ioi.json: no transcoder set at hand gives its features' activations "
+                                     "(name its set with --sae DIR)"]
+    transcoders.save(data / "mine")                       # a set in a folder of the data directory
+    found, notes = graph_transcoders(arcee, [data], embedded=False)
+    assert list(found) == ["mine"] and notes == []
+    assert all(torch.equal(a, b) for a, b in zip(found["mine"].state_dict().values(), transcoders.state_dict().values()))
+    # a graph of the shipped set beside it: both sets offered, each for its own graph
+    from hooked_models.attribution import attribute
+
+    shipped = load_transcoders("embedded", arcee)
+    attribute(arcee, PROMPT, shipped, batch_size=256).to_json(data / "shipped.json")
+    found, notes = graph_transcoders(arcee, [data], embedded=True)
+    assert sorted(found) == ["embedded", "mine"] and notes == []
+    assert torch.equal(found["embedded"][1].W_enc, shipped[1].W_enc)
+    # served: the features view lists each layer of each set, and a feature of the graph opens
+    client = TestClient(create_app(arcee, [data], found))
+    assert [s["name"] for s in client.get("/api/model").json()["saes"]] == [
+        "embedded[0]", "embedded[1]", "mine[0]", "mine[1]"]
+    # no graph file: nothing is offered and nothing said
+    assert graph_transcoders(arcee, [tmp_path / "data" / "mine"], embedded=True) == ({}, [])

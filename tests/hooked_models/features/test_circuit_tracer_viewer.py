@@ -4,25 +4,10 @@ there) opens a graph of ours with them: in Debian's chromium through Playwright,
 shows our top windows and quantile examples, and our label.
 
 The viewer loads its scripts from CDNs, which cannot be reached here. The test routes those requests to
-copies from npm packages (.ci/viewer-libs.sh installs them): d3 from d3 v7, dagre and pako from theirs.
-The helper library (transformer-circuits.pub's jetpack build) has no npm package: it is stubbed by the
-published d3-jetpack with d3-collection (whose `nest` its `nestBy` needs) and `JETPACK_SHIM` below, the
-three things the viewer calls that d3-jetpack lacks. The hot-reload client (development only) and the
-.npy reader (graph files are JSON) are stubbed empty. circuit-tracer's files are never edited."""
-
-# What transformer-circuits.pub's jetpack adds to d3-jetpack's `conventions` and the viewer uses.
-JETPACK_SHIM = """
-(function () {
-  var conventions = d3.conventions
-  d3.conventions = function (options) {
-    var c = conventions(options)
-    c.drawAxis = function () { return d3.drawAxis(c) }
-    c.totalWidth = c.width + c.margin.left + c.margin.right
-    c.totalHeight = c.height + c.margin.top + c.margin.bottom
-    return c
-  }
-})()
-"""
+the copies the package vendors for its own serving of the viewer (hooked_models/features/viewer_static:
+npm's d3 v7, dagre and pako, and for transformer-circuits.pub's jetpack build, which has no npm package,
+d3-jetpack with d3-collection and a shim); the hot-reload client (development only) is stubbed empty.
+circuit-tracer's files are never edited. The last tests serve the viewer with the package alone."""
 
 import json
 import os
@@ -42,7 +27,6 @@ from ..explorer.conftest import PROMPT, alpha_er, arcee, data_dir, real_graph, s
 
 ROOT = Path(__file__).resolve().parents[3]
 CT_PYTHON = ROOT / ".ci" / "ct-env" / "bin" / "python"
-LIBS = ROOT / ".ci" / "viewer-libs" / "node_modules"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_ct = pytest.mark.skipif(not CT_PYTHON.exists(), reason="no circuit-tracer side environment (.ci/ct-env.sh)")
 
@@ -125,23 +109,21 @@ needs_viewer = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is
 def circuit_tracer_viewer(data_dir: Path, slug: str):
     """circuit-tracer's local viewer (its `serve`, in the side environment) over `data_dir`, and a chromium
     page (Playwright) on graph `slug` once its nodes are drawn: yields (page, errors), the page's uncaught
-    errors. Its CDN scripts are routed to the npm copies (the module docstring)."""
+    errors. Its CDN scripts are routed to the package's vendored copies (the module docstring)."""
     playwright = pytest.importorskip("playwright.sync_api")
-    if not (LIBS / "d3-collection").is_dir():
-        installed = subprocess.run(["bash", str(ROOT / ".ci" / "viewer-libs.sh")], capture_output=True, text=True)
-        if installed.returncode:
-            pytest.skip(f"the viewer's scripts could not be installed from npm: {installed.stderr[-300:]}")
+    from hooked_models.features.viewer import VENDOR
+
     port = _free_port()
     serve = ("import sys, time\nfrom circuit_tracer.frontend.local_server import serve\n"
              "serve(data_dir=sys.argv[1], port=int(sys.argv[2]))\nwhile True: time.sleep(1)")
     server = subprocess.Popen([str(CT_PYTHON), "-c", serve, str(data_dir), str(port)], stderr=subprocess.PIPE)
-    routes = {"d3.js": LIBS / "d3/dist/d3.min.js", "dagre.min.js": LIBS / "dagre/dist/dagre.min.js",
-              "pako.min.js": LIBS / "pako/dist/pako.min.js"}
-    jetpack = "\n".join([(LIBS / "d3-collection/dist/d3-collection.min.js").read_text(),
-                         (LIBS / "d3-jetpack/build/d3-jetpack.js").read_text(), JETPACK_SHIM])
+    # the scripts its pages load from CDNs, from the copies the package vendors (features/viewer_static)
+    routes = {"d3.js": VENDOR / "d3-7.9.0.min.js", "dagre.min.js": VENDOR / "dagre-0.8.5.min.js",
+              "pako.min.js": VENDOR / "pako-2.1.0.min.js", "npy_v0.js": VENDOR / "npy-stub.js"}
+    jetpack = "\n".join((VENDOR / name).read_text() for name in
+                         ("d3-collection-1.0.7.min.js", "d3-jetpack-2.1.0.js", "jetpack-shim.js"))
     stubs = {"jetpack_2024-07-20.js": jetpack,
-             "hotserver-client-ws.js": "/* stub: the development hot-reload client */",
-             "npy_v0.js": "/* stub: no .npy files here */ window.npyjs = {parse() { throw 'no npy' }}"}
+             "hotserver-client-ws.js": "/* stub: the development hot-reload client */"}
 
     def route(r):
         name = r.request.url.split("/")[-1]
@@ -194,3 +176,89 @@ def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
     assert all(token.strip() in listed for token in top.tokens if token.strip())
     assert clerps == ["my own label"]  # the user's label, as the clicked node's clerp
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------- served by the package
+def test_the_viewer_pages_load_only_vendored_scripts():
+    """Every script tag of circuit-tracer's pages, as `features.viewer` sends them, is local and exists."""
+    import re
+
+    from hooked_models.features import viewer
+
+    for html in (viewer.PAGES / "index.html", viewer.PAGES / "feature-view.html"):
+        assert re.findall(r"src='https?://", html.read_text())  # the pages as circuit-tracer ships them
+        sent = viewer.page(html)
+        sources = re.findall(r"<script src='([^']+)'", sent)
+        assert sources and not [s for s in sources if "://" in s], sources
+        for source in sources:
+            found = (viewer.VENDOR / source.removeprefix("/vendor/")) if source.startswith("/vendor/") else \
+                viewer.PAGES / source.removeprefix("./")
+            assert found.is_file(), source
+
+
+def test_serve_prints_each_graphs_address_and_reads_only_the_data_directory(labelled_graph, capsys):
+    import urllib.error
+    import urllib.request
+
+    from hooked_models.features import viewer
+
+    out, path, _, _ = labelled_graph
+    running = viewer.serve(out, port=0, block=False)
+    try:
+        port = int(running.base.rsplit(":", 1)[1])
+        assert running.urls == [f"http://127.0.0.1:{port}/index.html?slug=ioi"]
+        printed = capsys.readouterr().out
+        assert f"http://127.0.0.1:{port}/index.html?slug=ioi" in printed and str(out) in printed
+        graph = json.loads(urllib.request.urlopen(f"{running.base}/graph_data/ioi.json").read())
+        assert graph == json.loads(path.read_text())
+        up = "../" * len(out.parts)  # from the data directory to / and no further
+        for outside in (f"/data/{up}etc/passwd", f"/graph_data/{up}etc/passwd", "/vendor/../../viewer.py",
+                        "/../../viewer.py", "/data/missing.json"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{running.base}{outside}")
+            assert refused.value.code == 404, outside
+    finally:
+        running.stop()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_the_package_serves_circuit_tracers_viewer_offline(labelled_graph, tmp_path):
+    """`features.viewer.serve` alone (no circuit-tracer, no route stubs): in chromium the viewer draws the
+    graph, a clicked feature node shows our top windows and its label, and no request leaves the machine
+    (each is recorded, and any to another host is aborted)."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    from hooked_models.features import viewer
+
+    out, path, stats, (layer, feature) = labelled_graph
+    running = viewer.serve(out, port=0, block=False)
+    local, outside, errors = f"{running.base}/", [], []
+
+    def record(route):
+        outside.append(route.request.url)
+        return route.abort()
+
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route(lambda url: not url.startswith(local), record)
+            page.goto(running.urls[0])
+            page.wait_for_selector("text.node", timeout=90_000)
+            nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
+            wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
+                          and node_id.startswith(f"{layer}_{feature}_"))
+            page.locator("text.node").nth(wanted).click(force=True)
+            page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
+            listed = page.inner_text(".feature-example-list")
+            clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+            page.screenshot(path=str(tmp_path / "served-viewer.png"))
+            browser.close()
+    finally:
+        running.stop()
+    assert outside == [] and errors == []
+    graph = json.loads(path.read_text())
+    assert {node_id for _, node_id in nodes} == {n["node_id"] for n in graph["nodes"]}  # the whole graph drawn
+    top = stats[layer].top_windows(feature)[0]
+    assert "Top activations" in listed and all(t.strip() in listed for t in top.tokens if t.strip())
+    assert clerps == ["my own label"]
