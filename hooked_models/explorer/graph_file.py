@@ -10,6 +10,7 @@ a link's per-head loadings (an edge through attention split over the heads that 
 `heads`: a mapping from a head's label to its share of the weight.
 """
 
+import json
 import math
 
 from pydantic import BaseModel, model_validator
@@ -31,6 +32,27 @@ class QParams(BaseModel):
     linkType: str
     clickedId: str
     sg_pos: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_the_viewer_saves(cls, data):
+        # circuit-tracer's viewer's Save button posts its URL's parameters and /save_graph writes them as they
+        # came: pinnedIds comma-joined, supernodes JSON.stringify'd, a key the page never set null.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("pinnedIds"), str):
+            data["pinnedIds"] = [node for node in data["pinnedIds"].split(",") if node]
+        if isinstance(data.get("supernodes"), str):
+            try:
+                data["supernodes"] = json.loads(data["supernodes"])
+            except json.JSONDecodeError:
+                raise ValueError(f"supernodes {data['supernodes'][:60]!r} is not the JSON of a list") from None
+        for key, default in (("pinnedIds", []), ("supernodes", []), ("linkType", "both"), ("clickedId", ""),
+                             ("sg_pos", "")):
+            if data.get(key) is None:
+                data[key] = default
+        return data
 
 
 class Node(BaseModel):
