@@ -8,8 +8,9 @@ import {openFeature} from "./features.js";
 export let GRAPH = null;
 export const pinned = new Set();
 // What another module adds to this view (supernodes.js: grouping): a node's extra classes and hover text,
-// a shift-click, buttons in a node's detail, and a graph just opened.
-export const graphHooks = {classes: () => [], title: () => "", toggle: null, detail: () => {}, opened: async () => {}};
+// a shift-click, buttons in a node's detail, a graph just opened, a pin changed.
+export const graphHooks = {classes: () => [], title: () => "", toggle: null, detail: () => {}, opened: async () => {},
+                           pinned: () => {}};
 
 export async function openGraph() {
   const data = await api("/api/graph", {path: $("graph-path").value});
@@ -205,7 +206,7 @@ function selectNode(id) {
   detail.replaceChildren(el("h3", {}, nodeLabel(node)),
     el("p", {class: "note"}, `activation ${fmt(node.activation)}, influence ${fmt(node.influence)} ${node.clerp}`));
   const pin = el("button", {type: "button", id: "graph-pin"}, pinned.has(id) ? "unpin" : "pin");
-  pin.onclick = () => { pinned.has(id) ? pinned.delete(id) : pinned.add(id); selectNode(id); };
+  pin.onclick = () => { pinned.has(id) ? pinned.delete(id) : pinned.add(id); selectNode(id); graphHooks.pinned(); };
   detail.append(pin);
   graphHooks.detail(node, detail);
   detail.append(el("span", {class: "note", id: "graph-pinned"}, ` pinned: ${[...pinned].join(", ") || "none"}`));

@@ -27,6 +27,12 @@ graphHooks.detail = (node, detail) => {
   choose.onclick = () => { graphHooks.toggle(node.node_id); choose.textContent = SUB.selection.has(node.node_id) ? "unselect" : "select for a supernode"; };
   detail.append(choose);
 };
+graphHooks.pinned = () => {  // a pinned node is a part of its own: the part graph follows
+  if (!GRAPH.data.whole_graph) return;
+  SUB.saved = false;
+  showSelection();
+  refresh().catch((error) => showError(error.message));
+};
 graphHooks.opened = async (data) => {
   SUB.supernodes = data.qParams.supernodes.map((entry) => [...entry]);
   SUB.selection.clear();
