@@ -32,14 +32,12 @@ from pydantic import BaseModel, ValidationError
 
 from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
-from hooked_models.attribution.export import json_node
-from hooked_models.attribution.store import graph_file
-from hooked_models.explorer.graph_file import GraphFile
+from hooked_models.explorer.graph_file import GraphFile, attach_examples, attach_head_loadings, attach_spread
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
 from hooked_models.explorer.requests import Limits, request_models, validation_message
-from hooked_models.features.circuit_tracer_files import FEATURE_NODE, METADATA as GRAPH_LIST
 from hooked_models.explorer.subgraphs import PREFIX as SUBGRAPH_ROUTES, Subgraphs, Unprocessable
+from hooked_models.features.circuit_tracer_files import FEATURE_NODE, METADATA as GRAPH_LIST
 from hooked_models.features.results import META as STATISTICS
 from hooked_models.transcoders import TranscoderSet, load_transcoders
 from hooked_models.saes import sae_hook_name
@@ -294,11 +292,11 @@ class Explorer:
         # a bare file name, as to_json writes it (a path would reach out of the file's folder)
         graph["whole_graph"] = isinstance(side, str) and Path(side).name == side and (path.parent / side).is_file()
         if graph["whole_graph"]:
-            _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
+            attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
             graph["qk_attributions"] = data.get("qk_attributions", [])
-        _attach_examples(graph["nodes"], path.parent)
+        attach_examples(graph["nodes"], path.parent)
         if "hooked_models_aggregate" in data["metadata"]:  # `aggregate(store).to_json`: each node over the prompts
-            _attach_spread(graph, data)
+            attach_spread(graph, data)
         return graph
 
     def _name_nodes(self, graph: dict) -> None:
@@ -338,42 +336,6 @@ class Explorer:
         return self.submit("search", work)
 
 
-# Top examples per feature node shown on hover in the graph view.
-HOVER_EXAMPLES = 3
-
-
-def _attach_spread(graph: dict, data: dict) -> None:
-    """An aggregate's spread over the prompts, carried through: each node's (`spread`: count, mean and sd,
-    its value in each prompt), and each prompt's own graph file (`prompt_graphs`, by graph index)."""
-    about = data["metadata"]["hooked_models_aggregate"]
-    graph["metadata"]["aggregate"] = about
-    graph["metadata"]["prompt_graphs"] = [str(Path(about["store"]) / graph_file(i)) for i in range(about["n_graphs"])]
-    spreads = {node["node_id"]: node["hooked_models_aggregate"] for node in data["nodes"]
-               if "hooked_models_aggregate" in node}
-    for node in graph["nodes"]:
-        if node["node_id"] in spreads:
-            node["spread"] = spreads[node["node_id"]]
-
-
-def _attach_examples(nodes: list[dict], directory: Path) -> None:
-    """Each transcoder node's top windows as text ("[peak]" marked), from the first `features.statistics`
-    result in the graph's directory (sorted by name; none: no examples); a layer it lacks gets none."""
-    found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / STATISTICS).is_file())
-    if not found:
-        return
-    stats = features.FeatureStatistics.load(found[0])
-    for node in nodes:
-        if "transcoder" not in node.get("feature_type", ""):
-            continue
-        layer, feature = int(node["layer"]), int(node["node_id"].split("_")[1])
-        try:
-            windows = stats[layer].top_windows(feature)[:HOVER_EXAMPLES]
-        except (KeyError, IndexError):
-            continue
-        node["examples"] = ["".join(f"[{t}]" if i == w.position - w.start else t for i, t in enumerate(w.tokens))
-                            for w in windows]
-
-
 def _values_held(path: Path, kind: str) -> list[str]:
     """The hooks a harvest holds (its manifest's names) or a statistics result has layers of; none if unreadable."""
     try:
@@ -396,29 +358,6 @@ def _per_layer(saes: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
             raise ValueError(f"{name!r} is not an SAE or a transcoder set (a module with encode and a "
                              f"W_dec [d_sae d_out]; a cross-layer transcoder's decoders are not offered)")
     return modules
-
-
-def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
-    """Give each link through attention its per-head split, `heads`: {"layers.L.self_attn.head.h": part, ...,
-    "layers.L.self_attn (skipped)": the part that skips L's attention}, for each attention layer L the edge
-    crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
-    if graph.loading_edges is None:
-        return
-    index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
-    row = {(t, s): e for e, (t, s) in enumerate(graph.loading_edges.tolist())}
-    for link in links:
-        e = row.get((index[link["target"]], index[link["source"]]))
-        if e is None:
-            continue
-        loadings, skips = graph.loading_heads[e], graph.loading_skips[e]
-        heads = {}
-        for layer in range(loadings.shape[0]):
-            if bool(loadings[layer].any()):
-                for head, part in enumerate(loadings[layer].tolist()):
-                    heads[f"layers.{layer}.self_attn.head.{head}"] = part
-                heads[f"layers.{layer}.self_attn (skipped)"] = float(skips[layer])
-        if heads:
-            link["heads"] = heads
 
 
 def load_sae(path: str | Path, model) -> nn.Module:

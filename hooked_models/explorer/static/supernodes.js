@@ -50,8 +50,12 @@ graphHooks.opened = async (data) => {
 const body = () => ({path: $("graph-path").value, supernodes: SUB.supernodes, pinned: [...pinned]});
 
 // Ask the server for the subgraph the page holds and draw it; a refusal leaves the page's groups as they were.
+// Only the answer to the latest request is drawn: a pin's refresh answered after a grouping's must not undo it.
+let asked = 0;
 async function refresh(supernodes = SUB.supernodes, route = "/api/subgraph") {
+  const mine = ++asked;
   const view = await api(route, {...body(), supernodes});
+  if (mine !== asked) return view;
   SUB.supernodes = view.qParams.supernodes;
   for (const id of view.qParams.pinnedIds) pinned.add(id);  // a supernode's members are pinned (the viewer draws only those)
   SUB.view = view;
