@@ -47,8 +47,16 @@ def parse(qparams: dict) -> tuple[list[str], list[tuple[str, list[str]]], list[l
     pinned = qparams.get("pinnedIds") or []
     if isinstance(pinned, str):  # a URL's form, comma-separated (the viewer splits it the same way)
         pinned = pinned.split(",") if pinned else []
+    entries = qparams.get("supernodes") or []
+    if isinstance(entries, str):
+        # The viewer's Save button sends its URL's parameters, where supernodes is JSON.stringify'd
+        # (init-cg-subgraph.js's supernodesToUrl), and /save_graph writes that string as it came.
+        try:
+            entries = json.loads(entries)
+        except json.JSONDecodeError:
+            raise ValueError(f"supernodes {entries[:60]!r} is neither a list nor the JSON of one") from None
     supernodes, counts = [], {}
-    for entry in qparams.get("supernodes") or []:
+    for entry in entries:
         if not isinstance(entry, list) or not entry or not all(isinstance(x, str) for x in entry):
             raise ValueError(f"supernode {entry!r} must be a list of strings, [name, *node ids]")
         name = entry[0]

@@ -10,9 +10,9 @@ the prompt's tokens (a sweep's size) are checked in server.py with the same word
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, create_model
 
 from hooked_models.circuits.eap import MANY_STEPS
 
@@ -26,6 +26,10 @@ MAX_STEPS = MANY_STEPS
 MAX_PATCHES = 2**16
 MAX_NAME = 300  # a value, a hook, a node or a token's text; the model's own names are far shorter
 MAX_PATH = 4096  # PATH_MAX on Linux
+# circuit-tracer's viewer draws at most 200 pinned nodes; a subgraph ten times that is not read in a page.
+MAX_NODES = 2000
+MAX_SCALES = 16  # interventions run parts x scales cases: a few strengths per part is what a figure shows
+MAX_BATCH = 4096
 
 
 def _memory_bytes() -> int:
@@ -94,6 +98,25 @@ def request_models(limits: Limits) -> dict[str, type[BaseModel]]:
             "SearchRequest", harvest=(str, Field(min_length=1, max_length=MAX_PATH)), sae=(str, name),
             token=(str, token), k=(int, Field(10, ge=1, le=MAX_TOP_K))),
     }
+    path = (str, Field(min_length=1, max_length=MAX_PATH, description="a graph file AttributionGraph.to_json wrote"))
+    node = Annotated[str, Field(max_length=MAX_NAME)]
+    subgraph = {
+        "path": path,
+        "supernodes": (list[Annotated[list[node], Field(max_length=MAX_NODES + 1)]],
+                       Field([], max_length=MAX_NODES, description="[name, *node ids] each, as qParams hold them")),
+        "pinned": (list[node], Field([], max_length=MAX_NODES, description="node ids (qParams' pinnedIds)"))}
+    # A scale is a finite JSON number (an integer too): strict, so "2" or true is refused, not read as one.
+    scale = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+    models["SubgraphRequest"] = create_model("SubgraphRequest", **subgraph)
+    models["SubgraphImportRequest"] = create_model(
+        "SubgraphImportRequest", path=path, source=(str, Field(min_length=1, max_length=MAX_PATH)))
+    models["InterventionRequest"] = create_model(
+        "InterventionRequest", **subgraph,
+        scales=(list[scale], Field([-1.0, 0.0, 2.0], min_length=1, max_length=MAX_SCALES)),
+        modes=(list[Literal["frozen", "free"]], Field(["frozen", "free"], min_length=1, max_length=2)),
+        parts=(list[node] | None, Field(None, max_length=MAX_NODES, description="the parts intervened on (all)")),
+        logit_diff=(list[node] | None, Field(None, min_length=2, max_length=2, description="two tokens' text")),
+        batch_size=(int | None, Field(None, ge=1, le=MAX_BATCH)))
     return models
 
 

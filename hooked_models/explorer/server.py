@@ -32,12 +32,11 @@ from pydantic import BaseModel, ValidationError
 
 from hooked_models import circuits, features, patching
 from hooked_models.attribution import AttributionGraph
-from hooked_models.attribution.export import json_node
-from hooked_models.attribution.store import graph_file
-from hooked_models.explorer.graph_file import GraphFile
+from hooked_models.explorer.graph_file import GraphFile, attach_examples, attach_head_loadings, attach_spread
 from hooked_models.explorer.jobs import Jobs, message
 from hooked_models.explorer.prompts import Prompt, read_pair, read_prompt
 from hooked_models.explorer.requests import Limits, request_models, validation_message
+from hooked_models.explorer.subgraphs import PREFIX as SUBGRAPH_ROUTES, Subgraphs, Unprocessable
 from hooked_models.features.circuit_tracer_files import FEATURE_NODE, METADATA as GRAPH_LIST
 from hooked_models.features.results import META as STATISTICS
 from hooked_models.transcoders import TranscoderSet, load_transcoders
@@ -76,9 +75,10 @@ class Explorer:
             if not root.is_dir():
                 raise ValueError(f"data directory {root} does not exist or is not a directory")
         self.saes = _per_layer(saes or {})
-        self.transcoder_sets = [m for m in (saes or {}).values() if isinstance(m, TranscoderSet)]
+        self.transcoder_sets = {name: m for name, m in (saes or {}).items() if isinstance(m, TranscoderSet)}
         self.limits = Limits.of(self.model)
         self.queue = Jobs(self.model)
+        self.subgraphs = Subgraphs(self)
 
     # ---------------------------------------------------------------------------- inputs
     def path(self, path: str) -> Path:
@@ -261,13 +261,18 @@ class Explorer:
             entry["values"] = _values_held(path, kind)
         return entry
 
-    def graph(self, request) -> dict:
-        path = self.path(request.path)
+    def graph_path(self, name: str) -> Path:
+        """The graph file `name`, under the data directories and within the size bound."""
+        path = self.path(name)
         if not path.is_file():
-            raise ValueError(f"{request.path!r} is not a file")
+            raise ValueError(f"{name!r} is not a file")
         if path.stat().st_size > self.limits.graph_bytes:
-            raise ValueError(f"{request.path!r} is {path.stat().st_size} bytes, over the bound "
+            raise ValueError(f"{name!r} is {path.stat().st_size} bytes, over the bound "
                              f"{self.limits.graph_bytes} a graph file may have")
+        return path
+
+    def graph(self, request) -> dict:
+        path = self.graph_path(request.path)
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -280,12 +285,18 @@ class Explorer:
                              f"{problems}") from None
         graph = graph.checked().model_dump()
         self._name_nodes(graph)
-        if "hooked_models" in data:  # written by AttributionGraph.to_json: its per-head loadings and QK come along
-            _attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
+        # The whole graph is in the file (AttributionGraph.to_json, its tensors beside it; a copy moved without
+        # them, as into circuit-tracer's viewer's folder, is drawn as any graph file): supernodes' edges,
+        # interventions, per-head loadings and QK can be read.
+        side = data["hooked_models"].get("tensors") if isinstance(data.get("hooked_models"), dict) else None
+        # a bare file name, as to_json writes it (a path would reach out of the file's folder)
+        graph["whole_graph"] = isinstance(side, str) and Path(side).name == side and (path.parent / side).is_file()
+        if graph["whole_graph"]:
+            attach_head_loadings(graph["links"], AttributionGraph.from_json(path))
             graph["qk_attributions"] = data.get("qk_attributions", [])
-        _attach_examples(graph["nodes"], path.parent)
+        attach_examples(graph["nodes"], path.parent)
         if "hooked_models_aggregate" in data["metadata"]:  # `aggregate(store).to_json`: each node over the prompts
-            _attach_spread(graph, data)
+            attach_spread(graph, data)
         return graph
 
     def _name_nodes(self, graph: dict) -> None:
@@ -293,7 +304,8 @@ class Explorer:
         id) and, where the graph's transcoders are a set the server serves, the features' kind
         (`feature_kind`: the schema's one feature_type string says "cross layer transcoder" for every kind)."""
         hooks = list(graph["metadata"]["transcoder_list"])
-        per_layer = any(hooks == [ts.input_hook(layer) for layer in range(ts.n_layers)] for ts in self.transcoder_sets)
+        per_layer = any(hooks == [ts.input_hook(layer) for layer in range(ts.n_layers)]
+                        for ts in self.transcoder_sets.values())
         for node in graph["nodes"]:
             if node["feature_type"] == "logit" and 0 <= node["feature"] < self.model.cfg.vocab_size:
                 node["logit_token"] = self.model.to_str_tokens([node["feature"]])[0]
@@ -324,42 +336,6 @@ class Explorer:
         return self.submit("search", work)
 
 
-# Top examples per feature node shown on hover in the graph view.
-HOVER_EXAMPLES = 3
-
-
-def _attach_spread(graph: dict, data: dict) -> None:
-    """An aggregate's spread over the prompts, carried through: each node's (`spread`: count, mean and sd,
-    its value in each prompt), and each prompt's own graph file (`prompt_graphs`, by graph index)."""
-    about = data["metadata"]["hooked_models_aggregate"]
-    graph["metadata"]["aggregate"] = about
-    graph["metadata"]["prompt_graphs"] = [str(Path(about["store"]) / graph_file(i)) for i in range(about["n_graphs"])]
-    spreads = {node["node_id"]: node["hooked_models_aggregate"] for node in data["nodes"]
-               if "hooked_models_aggregate" in node}
-    for node in graph["nodes"]:
-        if node["node_id"] in spreads:
-            node["spread"] = spreads[node["node_id"]]
-
-
-def _attach_examples(nodes: list[dict], directory: Path) -> None:
-    """Each transcoder node's top windows as text ("[peak]" marked), from the first `features.statistics`
-    result in the graph's directory (sorted by name; none: no examples); a layer it lacks gets none."""
-    found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / STATISTICS).is_file())
-    if not found:
-        return
-    stats = features.FeatureStatistics.load(found[0])
-    for node in nodes:
-        if "transcoder" not in node.get("feature_type", ""):
-            continue
-        layer, feature = int(node["layer"]), int(node["node_id"].split("_")[1])
-        try:
-            windows = stats[layer].top_windows(feature)[:HOVER_EXAMPLES]
-        except (KeyError, IndexError):
-            continue
-        node["examples"] = ["".join(f"[{t}]" if i == w.position - w.start else t for i, t in enumerate(w.tokens))
-                            for w in windows]
-
-
 def _values_held(path: Path, kind: str) -> list[str]:
     """The hooks a harvest holds (its manifest's names) or a statistics result has layers of; none if unreadable."""
     try:
@@ -382,29 +358,6 @@ def _per_layer(saes: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
             raise ValueError(f"{name!r} is not an SAE or a transcoder set (a module with encode and a "
                              f"W_dec [d_sae d_out]; a cross-layer transcoder's decoders are not offered)")
     return modules
-
-
-def _attach_head_loadings(links: list[dict], graph: AttributionGraph) -> None:
-    """Give each link through attention its per-head split, `heads`: {"layers.L.self_attn.head.h": part, ...,
-    "layers.L.self_attn (skipped)": the part that skips L's attention}, for each attention layer L the edge
-    crosses (the heads' parts plus the skip are the edge, per layer), nonzero entries only."""
-    if graph.loading_edges is None:
-        return
-    index = {json_node(graph, i)["node_id"]: i for i in range(graph.n_nodes)}
-    row = {(t, s): e for e, (t, s) in enumerate(graph.loading_edges.tolist())}
-    for link in links:
-        e = row.get((index[link["target"]], index[link["source"]]))
-        if e is None:
-            continue
-        loadings, skips = graph.loading_heads[e], graph.loading_skips[e]
-        heads = {}
-        for layer in range(loadings.shape[0]):
-            if bool(loadings[layer].any()):
-                for head, part in enumerate(loadings[layer].tolist()):
-                    heads[f"layers.{layer}.self_attn.head.{head}"] = part
-                heads[f"layers.{layer}.self_attn (skipped)"] = float(skips[layer])
-        if heads:
-            link["heads"] = heads
 
 
 def load_sae(path: str | Path, model) -> nn.Module:
@@ -525,10 +478,17 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
     async def bad_input(request: Request, error: ValueError):
         return JSONResponse({"error": message(error)}, status_code=400)
 
-    # A body outside its bounds or of the wrong type: 400 naming the value and the bound (not FastAPI's 422).
+    # A subgraph that parses but is none of its graph's (a node not in it, an empty supernode, ...): 422.
+    @app.exception_handler(Unprocessable)
+    async def unprocessable(request: Request, error: Unprocessable):
+        return JSONResponse({"error": message(error)}, status_code=422)
+
+    # A body outside its bounds or of the wrong type: 400 naming the value and the bound (not FastAPI's 422);
+    # the subgraph routes answer 422 for every bad value, a scale that is not a number as a node not in the graph.
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
-        return JSONResponse({"error": validation_message(error.errors())}, status_code=400)
+        status = 422 if request.url.path.startswith(SUBGRAPH_ROUTES) else 400
+        return JSONResponse({"error": validation_message(error.errors())}, status_code=status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -544,7 +504,11 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
               "/api/patch": (explorer.patch, "PatchRequest"), "/api/circuit": (explorer.circuit, "CircuitRequest"),
               "/api/edge": (explorer.edge, "EdgeRequest"), "/api/graph": (explorer.graph, "GraphRequest"),
               "/api/features/dashboard": (explorer.dashboard, "FeatureRequest"),
-              "/api/features/search": (explorer.search, "SearchRequest")}
+              "/api/features/search": (explorer.search, "SearchRequest"),
+              SUBGRAPH_ROUTES: (explorer.subgraphs.show, "SubgraphRequest"),
+              f"{SUBGRAPH_ROUTES}/save": (explorer.subgraphs.save, "SubgraphRequest"),
+              f"{SUBGRAPH_ROUTES}/import": (explorer.subgraphs.load, "SubgraphImportRequest"),
+              f"{SUBGRAPH_ROUTES}/interventions": (explorer.subgraphs.interventions, "InterventionRequest")}
     for route, (handler, body) in routes.items():
         app.add_api_route(route, _endpoint(handler, bodies[body]), methods=["POST"])
 

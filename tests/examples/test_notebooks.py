@@ -31,7 +31,7 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def test_the_tutorials_are_all_here():
-    assert [n.name[:2] for n in run_notebooks.NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
+    assert [n.name[:2] for n in run_notebooks.NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
 
 
 def test_the_tutorials_are_titled_alike():

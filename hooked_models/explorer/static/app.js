@@ -8,6 +8,7 @@ import {runPatch} from "./patching.js";
 import {CIRCUIT, drawCircuit, runCircuit} from "./circuits.js";
 import {fitHarvest, openFeature, refreshFiles, searchFeatures} from "./features.js";
 import {GRAPH, drawGraph, openGraph} from "./graph.js";
+import {wireSupernodes} from "./supernodes.js";
 
 // ------------------------------------------------------------------------------------------ tabs
 function showView(name) {
@@ -39,12 +40,21 @@ async function start() {
   $("feature-form").onsubmit = handle(() => openFeature($("feature-sae").value, +$("feature-index").value),
                                       "feature-board");
   $("feature-search").onclick = handle(searchFeatures, "feature-found");
-  $("graph-form").onsubmit = handle(openGraph, "graph-svg", "graph-detail", "graph-title", "graph-count");
+  // the graph file opened is kept in the address (#graph=path), so a reload opens it again, its supernodes too
+  const openAndKeep = async () => { await openGraph(); history.replaceState(null, "", `#graph=${encodeURIComponent($("graph-path").value)}`); };
+  $("graph-form").onsubmit = handle(openAndKeep, "graph-svg", "graph-detail", "graph-title", "graph-count");
+  wireSupernodes();
   $("feature-sae").onchange = fitHarvest;
   $("graph-threshold").oninput = () => GRAPH && drawGraph();
   // the queue in the header, every job that runs or waits (whoever started it: another tab, a script)
   setInterval(() => showQueue().catch(() => {}), 1000);
   await handle(runPrompt, ...promptViews)();
+  const kept = new URLSearchParams(location.hash.slice(1)).get("graph");
+  if (kept) {
+    showView("graph");
+    $("graph-path").value = kept;
+    await handle(openAndKeep, "graph-svg", "graph-detail", "graph-title", "graph-count")();
+  }
 }
 
 start().catch((error) => showError(error.message));

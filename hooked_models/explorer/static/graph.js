@@ -6,7 +6,11 @@ import {$, api, el, fmt, handle, session, svgEl} from "./common.js";
 import {openFeature} from "./features.js";
 
 export let GRAPH = null;
-const pinned = new Set();
+export const pinned = new Set();
+// What another module adds to this view (supernodes.js: grouping): a node's extra classes and hover text,
+// a shift-click, buttons in a node's detail, a graph just opened, a pin changed.
+export const graphHooks = {classes: () => [], title: () => "", toggle: null, detail: () => {}, opened: async () => {},
+                           pinned: () => {}};
 
 export async function openGraph() {
   const data = await api("/api/graph", {path: $("graph-path").value});
@@ -21,6 +25,7 @@ export async function openGraph() {
     `(${data.nodes.length} nodes, ${data.links.length} links; transcoders ${data.metadata.transcoder_list.join(", ") || "–"})`;
   $("graph-detail").replaceChildren();
   drawGraph();
+  await graphHooks.opened(data);
 }
 
 // A node is shown when its cumulative influence (circuit-tracer's pruning score) is within the
@@ -133,7 +138,8 @@ export function drawGraph() {
   }
   for (const node of nodes) {
     const p = at.get(node.node_id);
-    const classes = ["node", pinned.has(node.node_id) ? "pinned" : "", GRAPH.selected === node.node_id ? "selected" : ""];
+    const classes = ["node", pinned.has(node.node_id) ? "pinned" : "", GRAPH.selected === node.node_id ? "selected" : "",
+                     ...graphHooks.classes(node)];
     const error = node.feature_type === "mlp reconstruction error";
     const mark = svgEl(error ? "rect" : "circle", {
       class: classes.join(" "), "data-id": node.node_id, fill: KINDS[node.feature_type] || FEATURE,
@@ -141,8 +147,8 @@ export function drawGraph() {
     mark.append(svgEl("title"));
     // its top examples (from a statistics result beside the graph, when there is one), the peak in brackets
     mark.firstChild.textContent = `${nodeName(node, tokens)} (${kindOf(node)}); influence ${fmt(node.influence)}` +
-      (node.examples || []).map((text) => `\n${text}`).join("");
-    mark.onclick = () => selectNode(node.node_id);
+      (node.examples || []).map((text) => `\n${text}`).join("") + graphHooks.title(node);
+    mark.onclick = (event) => (event.shiftKey && graphHooks.toggle ? graphHooks.toggle(node.node_id) : selectNode(node.node_id));
     svg.append(mark);
   }
   drawLegend(svg, 8, 18);
@@ -200,8 +206,10 @@ function selectNode(id) {
   detail.replaceChildren(el("h3", {}, nodeLabel(node)),
     el("p", {class: "note"}, `activation ${fmt(node.activation)}, influence ${fmt(node.influence)} ${node.clerp}`));
   const pin = el("button", {type: "button", id: "graph-pin"}, pinned.has(id) ? "unpin" : "pin");
-  pin.onclick = () => { pinned.has(id) ? pinned.delete(id) : pinned.add(id); selectNode(id); };
-  detail.append(pin, el("span", {class: "note", id: "graph-pinned"}, ` pinned: ${[...pinned].join(", ") || "none"}`));
+  pin.onclick = () => { pinned.has(id) ? pinned.delete(id) : pinned.add(id); selectNode(id); graphHooks.pinned(); };
+  detail.append(pin);
+  graphHooks.detail(node, detail);
+  detail.append(el("span", {class: "note", id: "graph-pinned"}, ` pinned: ${[...pinned].join(", ") || "none"}`));
   if (node.spread) detail.append(spreadTable(node.spread));
   detail.append(linkTable(inputs, "source", "strongest inputs"), linkTable(outputs, "target", "strongest outputs"),
                 el("div", {id: "graph-heads", class: "note"}));

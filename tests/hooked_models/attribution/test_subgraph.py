@@ -179,6 +179,25 @@ def test_a_subgraph_the_viewer_saved_opens_here_and_saves_back_bit_for_bit(real,
     assert path.read_text() == json.dumps(data, indent=2)
 
 
+def test_the_viewers_save_button_form_opens_here(real, tmp_path):
+    """What the viewer's Save button actually posts (its index.html: each key read back from the page's URL):
+    pinnedIds a comma-joined string, supernodes the JSON.stringify of [[label, *ids], ...], keys it never set
+    null; /save_graph writes them as they came."""
+    graph, sub = real
+    path = graph.prune().to_json(tmp_path / "g.json")
+    data = json.loads(path.read_text())
+    entries = [[g.name, *g.members] for g in sub.supernodes]
+    data["qParams"] = {"pinnedIds": ",".join(sub.pinned), "supernodes": json.dumps(entries, separators=(",", ":")),
+                       "linkType": None, "clickedId": None, "sg_pos": None, "pruningThreshold": None, "clerps": None}
+    path.write_text(json.dumps(data, indent=2))
+    back = Subgraph.load(path, graph)
+    assert back.pinned == sub.pinned
+    assert [(g.name, g.members) for g in back.supernodes] == [(g.name, g.members) for g in sub.supernodes]
+    data["qParams"]["supernodes"] = "[[\"x\", "  # cut short: refused in one line, naming it
+    path.write_text(json.dumps(data, indent=2))
+    _one_line_error(lambda: Subgraph.load(path, graph), "supernodes", "JSON")
+
+
 def test_neuronpedias_save_body_round_trips(real):
     graph, sub = real
     body = sub.neuronpedia("my-graph", "grouped")

@@ -106,10 +106,11 @@ needs_viewer = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is
 
 
 @contextmanager
-def circuit_tracer_viewer(data_dir: Path, slug: str):
+def circuit_tracer_viewer(data_dir: Path, slug: str, query: str = ""):
     """circuit-tracer's local viewer (its `serve`, in the side environment) over `data_dir`, and a chromium
-    page (Playwright) on graph `slug` once its nodes are drawn: yields (page, errors), the page's uncaught
-    errors. Its CDN scripts are routed to the package's vendored copies (the module docstring)."""
+    page (Playwright) on graph `slug` (`query`: more of the address's parameters, "&key=value...") once its
+    nodes are drawn: yields (page, errors), the page's uncaught errors. Its CDN scripts are routed to the
+    package's vendored copies (the module docstring)."""
     playwright = pytest.importorskip("playwright.sync_api")
     from hooked_models.features.viewer import VENDOR
 
@@ -146,7 +147,7 @@ def circuit_tracer_viewer(data_dir: Path, slug: str):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.route(lambda url: not url.startswith(f"http://localhost:{port}"), route)
-            page.goto(f"http://localhost:{port}/index.html?slug={slug}")
+            page.goto(f"http://localhost:{port}/index.html?slug={slug}{query}")
             page.wait_for_selector("text.node", timeout=90_000)  # the server gzips the graph first
             yield page, errors
             browser.close()
