@@ -516,7 +516,7 @@ def test_command_line_harvest_and_patch(tmp_path, capsys):
 
 def test_every_flag_is_explained():
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
-    assert sorted(commands) == ["explore", "harvest", "patch", "train-transcoders"]
+    assert sorted(commands) == ["explore", "harvest", "patch", "train-transcoders", "view-graphs"]
     for command in commands.values():
         for action in command._actions:
             assert action.help, f"{command.prog} {action.option_strings} has no help"

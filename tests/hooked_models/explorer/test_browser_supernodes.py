@@ -101,6 +101,9 @@ def test_three_nodes_grouped_are_saved_and_still_there_after_a_reload(page, serv
 
     page.reload()  # the address keeps the graph file: it opens again, with its supernode
     page.wait_for_selector(f"#supernode-list li[data-name=\"{NAME}\"]")
+    # the part graph comes from its own request after the list: waited for, not raced (a loaded machine)
+    page.wait_for_selector(f"#subgraph-svg .part[data-name=\"{NAME}\"]")
+    page.wait_for_function(f"document.querySelectorAll('#graph-svg .node.grouped').length >= {len(ids)}")
     assert page.locator("#supernode-list li").count() == 1
     assert page.locator(f"#subgraph-svg .part[data-name=\"{NAME}\"]").count() == 1
     assert all("grouped" in page.get_attribute(f"#graph-svg .node[data-id='{i}']", "class") for i in ids)
