@@ -156,18 +156,23 @@ def circuit_tracer_viewer(data_dir: Path, slug: str, query: str = ""):
         server.wait(timeout=10)
 
 
+def click_feature(page, layer: int, feature: int) -> tuple[str, list[str]]:
+    """Click feature (layer, feature)'s node in a drawn viewer page: (its example list's text, its clerps)."""
+    nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
+    wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
+                  and node_id.startswith(f"{layer}_{feature}_"))
+    page.locator("text.node").nth(wanted).click(force=True)
+    page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
+    listed = page.inner_text(".feature-example-list")
+    return listed, [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+
+
 @needs_ct
 @needs_viewer
 def test_circuit_tracers_viewer_shows_our_examples(labelled_graph, tmp_path):
     out, path, stats, (layer, feature) = labelled_graph
     with circuit_tracer_viewer(out, "ioi") as (page, errors):
-        nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
-        wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
-                      and node_id.startswith(f"{layer}_{feature}_"))
-        page.locator("text.node").nth(wanted).click(force=True)
-        page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
-        listed = page.inner_text(".feature-example-list")
-        clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+        listed, clerps = click_feature(page, layer, feature)
         page.screenshot(path=str(tmp_path / "circuit-tracer-viewer.png"))
         if shot := os.environ.get("FEATURES_SCREENSHOTS"):
             page.screenshot(path=str(Path(shot) / "circuit-tracer-viewer.png"))
@@ -247,12 +252,7 @@ def test_the_package_serves_circuit_tracers_viewer_offline(labelled_graph, tmp_p
             page.goto(running.urls[0])
             page.wait_for_selector("text.node", timeout=90_000)
             nodes = page.evaluate("() => d3.selectAll('text.node').data().map(d => [d.feature_type, d.node_id])")
-            wanted = next(i for i, (kind, node_id) in enumerate(nodes) if kind == "cross layer transcoder"
-                          and node_id.startswith(f"{layer}_{feature}_"))
-            page.locator("text.node").nth(wanted).click(force=True)
-            page.wait_for_selector(".feature-example-list .quantile-title", timeout=30_000)
-            listed = page.inner_text(".feature-example-list")
-            clerps = [page.inner_text(".pp-clerp").strip()] if page.locator(".pp-clerp").count() == 1 else []
+            listed, clerps = click_feature(page, layer, feature)
             page.screenshot(path=str(tmp_path / "served-viewer.png"))
             browser.close()
     finally:
