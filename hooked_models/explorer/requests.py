@@ -2,7 +2,7 @@
 
 The bounds come from the model and the machine (`Limits.of`), go into the request models as pydantic
 Field constraints (so FastAPI's OpenAPI schema, /api/openapi.json, states them), and are checked before
-any work: a request over one is a 400 naming the value and the bound (server.py turns pydantic's
+any work: a request over one is a 422 naming the value and the bound (server.py turns pydantic's
 validation error into that message). A field a body does not have is refused the same way, naming it
 (a misspelt `"step"` would otherwise be dropped and the request run with the default). Bounds that need
 the prompt's tokens (a sweep's size) are checked in server.py with the same words, before the job is queued.

@@ -483,12 +483,11 @@ def create_app(model, data: Sequence[str | Path] = (), saes: Mapping[str, nn.Mod
     async def unprocessable(request: Request, error: Unprocessable):
         return JSONResponse({"error": message(error)}, status_code=422)
 
-    # A body outside its bounds or of the wrong type: 400 naming the value and the bound (not FastAPI's 422);
-    # the subgraph routes answer 422 for every bad value, a scale that is not a number as a node not in the graph.
+    # A body the request model refuses (a value outside its bound, the wrong type, a field the request does not
+    # have): 422, as FastAPI answers, with one message naming each value and its bound instead of pydantic's list.
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
-        status = 422 if request.url.path.startswith(SUBGRAPH_ROUTES) else 400
-        return JSONResponse({"error": validation_message(error.errors())}, status_code=status)
+        return JSONResponse({"error": validation_message(error.errors())}, status_code=422)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
