@@ -25,8 +25,10 @@ from hooked_models.progress import ProgressArg, tracker
 
 
 def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
-                     batch_size, head_loadings, qk) -> None:
+                     batch_size, head_loadings, qk, keep_position_zero) -> None:
     check_prompt(model, tokens, transcoders)
+    if not isinstance(keep_position_zero, bool):
+        raise ValueError(f"keep_position_zero={keep_position_zero!r} must be True or False")
     if max_feature_nodes is not None and (isinstance(max_feature_nodes, bool) or not isinstance(max_feature_nodes, int)
                                           or max_feature_nodes < 1):
         raise ValueError(f"max_feature_nodes={max_feature_nodes!r} must be a positive integer (None: every active "
@@ -67,7 +69,7 @@ def _collector_paused(fn):
 def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: int | None = None,
               desired_logit_prob: float = 0.95, max_n_logits: int = 10, batch_size: int = 32,
               head_loadings: bool | str = "pruned", qk: int | Sequence[tuple[int, int, int, int]] = 16,
-              node_threshold: float = 0.8, edge_threshold: float = 0.98,
+              node_threshold: float = 0.8, edge_threshold: float = 0.98, keep_position_zero: bool = False,
               progress: ProgressArg = False) -> AttributionGraph:
     """The attribution graph of `prompt` (text or token ids) through `transcoders` (a TranscoderSet or
     CrossLayerTranscoder trained for `model`): see the module docstring.
@@ -78,6 +80,14 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     compute the rows of at most this many features, chosen as circuit-tracer chooses them (by their
     influence on the outputs, estimated from the rows computed so far, in batches); the others are not
     nodes. `batch_size`: targets per backward pass (the gradients of that many held at once).
+
+    `keep_position_zero`: by default the features at position 0 are not nodes and the errors there are
+    zero (circuit-tracer's treatment of the BOS token it prepends): the first position's activations are
+    an artefact of its role as the attention sink, large on every prompt, and would take a share of
+    `max_feature_nodes` and of pruning while saying nothing about the prompt; both tools drop them, so the
+    same budget gives circuit-tracer's nodes. What the MLPs write there is held at its value, a constant
+    like the biases (every node's incoming edges plus its bias still sum to its value). True: they are
+    nodes like any other (a prompt that does not start with BOS, say).
 
     `head_loadings`: split edges over each attention layer's heads (hooked_models/attribution/heads.py):
     "pruned" (the edges `prune(node_threshold, edge_threshold)` keeps), "all" or True (every edge: for
@@ -97,8 +107,8 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     """
     tokens = prompt_tokens(model, prompt)
     _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size,
-                     head_loadings, qk)
-    state = Prompt(model, tokens, transcoders)
+                     head_loadings, qk, keep_position_zero)
+    state = Prompt(model, tokens, transcoders, keep_position_zero=keep_position_zero)
     if targets is None:
         outputs = salient_targets(model, state, desired_logit_prob, max_n_logits)
     else:

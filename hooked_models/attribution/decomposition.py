@@ -12,7 +12,7 @@ per-head loadings and the QK attributions both read it (hooked_models/attributio
 
     for chunk in decompose(prompt, components, reads=["layers.1.self_attn.attention_queries"]):
         chunk.values[name]      # [component ...]: each component's contribution (row 0's subtracted)
-        chunk.bias[name]        # [...]: the constant part (every node's writes zero)
+        chunk.bias[name]        # [...]: the constant part (every node's writes zero; prompt.held kept)
         chunk.total[name]       # [...]: every node's writes at once (the first chunk only, `with_total`)
         chunk.others[name]      # [...]: every node's but the components' (the first chunk only, `others`)
 """
@@ -118,7 +118,8 @@ def _run(prompt: Prompt, rows: Sequence[Component | _AllBut | None], reads: list
         live[layer] = t
 
     def write(t, hook, layer):
-        out = writes[layer] + bias_and_skip(tcs, layer, live[layer].to(dtype))
+        # (prompt.held: position 0's MLP writes where those are not nodes, a constant like the biases)
+        out = writes[layer] + bias_and_skip(tcs, layer, live[layer].to(dtype)) + prompt.held[layer]
         for r in everything:  # the clean value: the prompt's own MLP output
             out[r] = prompt.mlp_out[layer].to(dtype)
         return out.to(t.dtype)

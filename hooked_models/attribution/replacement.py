@@ -64,9 +64,14 @@ def _skip_gradient(transcoders, layer: int, x: Tensor) -> Tensor:
 class Prompt:
     """The prompt's clean run seen through the transcoders: their inputs, features, and errors. With
     `frozen`, run with the freezing hooks (which keep every value but send attention down its explicit
-    path, as in the frozen runs that follow), so that the values here are theirs bit for bit."""
+    path, as in the frozen runs that follow), so that the values here are theirs bit for bit.
 
-    def __init__(self, model, tokens: Tensor, transcoders, frozen: bool = True):
+    `keep_position_zero=False` (`attribute`'s default): position 0's features are not among the active
+    ones and its errors are zero, as circuit-tracer's `zero_positions` has them; what its MLPs write there
+    beyond each transcoder's bias and skip is `held` [layer seq d_out], a constant of the prompt beside
+    the biases (zero at every other position, and everywhere when position 0 is kept)."""
+
+    def __init__(self, model, tokens: Tensor, transcoders, frozen: bool = True, keep_position_zero: bool = False):
         self.model, self.tokens, self.transcoders = model, tokens, transcoders
         n = transcoders.n_layers
         self.inputs = [transcoders.input_hook(l) for l in range(n)]
@@ -88,10 +93,21 @@ class Prompt:
                 self.recons.append(transcoders.decode_to(l, self.acts, x if transcoders.has_skip else None))
             self.errors = torch.stack([o.to(dtype) - r for o, r in zip(self.mlp_out, self.recons)])
             self.embedding = cache["layers.0.layer_input"][0].to(dtype)
-        active = torch.stack(self.acts).nonzero()  # (layer, position, feature), in that order
+            self.held = torch.zeros_like(self.errors)
+            acts = torch.stack(self.acts)
+            if not keep_position_zero:
+                # The BOS position's activations are an artefact of its attention-sink role, large and
+                # alike on every prompt: circuit-tracer zeroes them (and the error there) for the BOS it
+                # prepends. Its whole MLP write beyond bias and skip is held as a constant instead.
+                self.held[:, 0] = torch.stack([o[0].to(dtype) - bias_and_skip(transcoders, l, x[:1])[0]
+                                               for l, (o, x) in enumerate(zip(self.mlp_out, self.x))])
+                self.errors[:, 0] = 0
+                acts = acts.clone()
+                acts[:, 0] = 0
+        active = acts.nonzero()  # (layer, position, feature), in that order
         self.active = active
         self._writes = None
-        self.activations = torch.stack(self.acts)[tuple(active.T)]
+        self.activations = acts[tuple(active.T)]
 
     def feature_writes(self) -> list[tuple[int, list[int], list[int], dict[int, Tensor]]]:
         """Per layer, where its features write, for `Replica._rows_of` and the decomposition: the first

@@ -108,23 +108,57 @@ def target_rows(graph):
 
 
 # ------------------------------------------------------------------------------------------ tests
+def but_position_zero(values: list) -> list:
+    """Each [seq ...] tensor zero at every position but 0 (where, by default, the features and errors are
+    not nodes but constants of the prompt)."""
+    return [torch.cat([v[:1], torch.zeros_like(v[1:])]) for v in values]
+
+
 def test_completeness_every_node_is_the_sum_of_its_edges_and_its_bias(setup):
     """Every feature's pre-activation and every logit (minus the mean logit) equals the sum of its incoming
-    edges plus its bias (the frozen model run with every source zero: embeddings, activations, errors),
-    within 1e-5 of the magnitude of the terms; nodes that are not targets have no incoming edge."""
+    edges plus its bias (the frozen model run with every source zero: embeddings, activations, errors; at
+    position 0 the activations and errors, which are not nodes, at their values), within 1e-5 of the
+    magnitude of the terms; nodes that are not targets have no incoming edge."""
     model, tcs, tokens, graph = setup
     logits, xs, acts, errors, constants = clean_state(model, tcs, tokens)
     clean = node_values(graph, torch.stack([tcs.encode(l, x, apply_activation=False) for l, x in enumerate(xs)]),
                         logits - logits.mean(-1, keepdim=True))
-    zero = [torch.zeros_like(a) for a in acts]
-    bias = node_values(graph, *frozen_run(model, tcs, tokens, constants, zero, [torch.zeros_like(e) for e in errors],
-                                          zero_embedding=True))
+    bias = node_values(graph, *frozen_run(model, tcs, tokens, constants, but_position_zero(acts),
+                                          but_position_zero(errors), zero_embedding=True))
     rows = target_rows(graph)
     a = graph.adjacency_matrix[rows]
     gap = (clean[rows] - a.sum(1) - bias[rows]).abs() / (a.abs().sum(1) + bias[rows].abs())
     assert gap.max() < 1e-5, float(gap.max())
     assert graph.adjacency_matrix[graph.error_start:graph.logit_start].abs().sum() == 0
     assert (a.abs().sum(1) > bias[rows].abs()).float().mean() > 0.5  # the edges carry most of it
+
+
+def test_position_zero_features_are_nodes_only_when_kept(setup):
+    """By default position 0's features are not nodes and its errors write nothing (circuit-tracer's
+    `zero_positions`); `keep_position_zero=True` makes them nodes, every other node and edge unchanged, and
+    its graph is complete with every source zero, position 0's included."""
+    model, tcs, tokens, graph = setup
+    kept = attribute(model, tokens, tcs, batch_size=16, head_loadings=False, keep_position_zero=True)
+    at_zero = kept.active_features[:, 1] == 0
+    assert at_zero.any() and not (graph.active_features[:, 1] == 0).any()
+    assert torch.equal(kept.active_features[~at_zero], graph.active_features)
+    assert torch.equal(kept.activation_values[~at_zero], graph.activation_values)
+    errors_at_zero = torch.arange(0, graph.n_errors, graph.n_pos)  # error nodes layer-major: layer x n_pos + pos
+    assert graph.adjacency_matrix[:, graph.error_start + errors_at_zero].abs().sum() == 0
+    assert kept.adjacency_matrix[:, kept.error_start + errors_at_zero].abs().sum() > 0
+    nodes = torch.cat([(~at_zero).nonzero().flatten(), torch.arange(kept.error_start, kept.n_nodes)])
+    same = kept.adjacency_matrix[nodes][:, nodes]
+    same[:, graph.error_start + errors_at_zero] = 0
+    torch.testing.assert_close(graph.adjacency_matrix, same, rtol=1e-6, atol=1e-7)
+
+    logits, xs, acts, errors, constants = clean_state(model, tcs, tokens)
+    clean = node_values(kept, torch.stack([tcs.encode(l, x, apply_activation=False) for l, x in enumerate(xs)]),
+                        logits - logits.mean(-1, keepdim=True))
+    bias = node_values(kept, *frozen_run(model, tcs, tokens, constants, [torch.zeros_like(a) for a in acts],
+                                         [torch.zeros_like(e) for e in errors], zero_embedding=True))
+    rows = target_rows(kept)
+    a = kept.adjacency_matrix[rows]
+    assert ((clean[rows] - a.sum(1) - bias[rows]).abs() / (a.abs().sum(1) + bias[rows].abs())).max() < 1e-5
 
 
 def test_linearity_scaling_a_feature_moves_each_node_by_its_edge(setup):

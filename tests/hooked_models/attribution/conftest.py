@@ -62,11 +62,13 @@ class Replacement:
                 rows.append(a * self.tcs[layer].W_dec[feature] if t == layer else torch.zeros_like(self.x[0][0]))
         return torch.stack(rows)
 
-    def run(self, extra: dict | None = None, hooks=(), names=(), zero_sources: bool = False) -> SimpleNamespace:
+    def run(self, extra: dict | None = None, hooks=(), names=(), zero_sources: bool = False,
+            keep_position_zero: bool = False) -> SimpleNamespace:
         """The frozen replacement forward with `extra[(layer, pos)]` [hidden_size] added to MLP outputs:
         every transcoder's pre-activations [layer seq d_transcoder], the logits [seq vocab] (`raw`) and
         demeaned, and the values named. `zero_sources`: every node zero (embeddings, features, errors),
-        what is left being the biases' part."""
+        what is left being the biases' part; position 0's features and errors are not nodes unless
+        `keep_position_zero` (attribute's default), so its MLP writes stay at their values there."""
         extra, live = extra or {}, {}
 
         def read(t, hook, l):
@@ -80,9 +82,10 @@ class Replacement:
             value = self.cache[self.outputs[l]][0] + moved
             if zero_sources:  # b_dec and the skip connection of the live input alone
                 if isinstance(self.tcs, CrossLayerTranscoder):
-                    value = self.tcs.b_dec[l] + self.tcs.skip(l, live[l])
+                    bias = self.tcs.b_dec[l] + self.tcs.skip(l, live[l])
                 else:
-                    value = self.tcs[l].b_dec + self.tcs[l].skip(live[l])
+                    bias = self.tcs[l].b_dec + self.tcs[l].skip(live[l])
+                value = bias if keep_position_zero else torch.cat([value[:1], bias[1:]])
             for (layer, pos), w in extra.items():
                 if layer == l:
                     value = value.clone()
