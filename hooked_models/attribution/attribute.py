@@ -18,7 +18,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from hooked_models.attribution.attention import split_attention
-from hooked_models.attribution.graph import AttributionGraph, normalized_abs
+from hooked_models.attribution.graph import AttributionGraph
 from hooked_models.attribution.replacement import Prompt, Replicas, check_prompt, prompt_tokens, transcoder_names
 from hooked_models.attribution.targets import OutputTarget, Target, resolve, target_rows
 from hooked_models.progress import ProgressArg, tracker
@@ -129,39 +129,45 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         layer, pos, feature = active[key[1]]
         return Target(layer, pos, encoders[layer, feature])
 
-    computed = _Rows()  # each target's row over every source, batch by batch
     output_keys = [("output", k) for k in range(len(outputs))]
     budget = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
+    n_nodes = budget + n_layers * seq + seq + len(output_keys)
+    if budget == n_active:  # every feature: each row written straight into the graph's adjacency
+        computed = _Rows(torch.zeros(n_nodes, n_nodes, dtype=dtype),
+                         {**{("feature", i): i for i in range(n_active)},
+                          **{key: n_nodes - len(output_keys) + k for k, key in enumerate(output_keys)}})
+    else:  # rows in the order computed, each over every active feature's column until the selection is done
+        computed = _Rows(torch.zeros(len(output_keys) + budget, n_sources, dtype=dtype))
+
+    def position(key) -> tuple[int, int]:
+        return (n_layers, outputs[key[1]].pos) if key[0] == "output" else tuple(active[key[1]][:2])
+
     with tracker(progress, total=len(output_keys), desc="attribution", unit="target", phase="logits") as track:
 
-        def compute(keys: list, prefixes: bool = False) -> None:
+        def compute(keys: list) -> None:
+            # By layer and position, so that each chunk's backward pass stops at its layer and runs over the
+            # shortest prefix holding its targets' positions (replacement.Replicas); the chunks by prefix
+            # length, so that each prefix is run forward once per call.
+            keys = sorted(keys, key=position)
             chunks = [keys[start:start + batch_size] for start in range(0, len(keys), batch_size)]
-            targets = [[target(k) for k in chunk] for chunk in chunks]
-            # Each chunk over the shortest prefix holding its targets' positions (replacement.Replicas),
-            # the chunks by prefix length, so that each prefix is run forward once.
-            lengths = [replicas.length(max(t.pos for t in ts)) if prefixes else seq for ts in targets]
+            lengths = [replicas.length(max(position(k)[1] for k in chunk)) for chunk in chunks]
             for i in sorted(range(len(chunks)), key=lengths.__getitem__):
-                rows = target_rows(replicas(lengths[i]), targets[i])
+                rows = target_rows(replicas(lengths[i]), [target(k) for k in chunks[i]])
                 computed.add(chunks[i], rows.cpu())  # assembled on the CPU
                 track.advance(len(chunks[i]))
-            replicas.prefix = None
 
         compute(output_keys)
         track.reset(budget, "features")
         weights = torch.tensor([o.weight for o in outputs])
         if budget == n_active:
-            compute([("feature", i) for i in range(n_active)], prefixes=True)
-            selected = torch.arange(n_active)
+            compute([("feature", i) for i in range(n_active)])
+            selected, adjacency = torch.arange(n_active), computed.out
         else:
-            selected = _select_features(computed, output_keys, weights, n_active, budget, batch_size, compute)
-
-        # Assemble over the selected features: columns of the others dropped, each batch released as placed.
-        keep_columns = torch.cat([selected, torch.arange(n_active, n_sources)])
-        n_nodes = len(selected) + n_layers * seq + seq + len(output_keys)
-        adjacency = torch.zeros(n_nodes, n_nodes, dtype=dtype)
+            selected = _select_features(computed, weights, n_active, budget, batch_size, compute)
+            adjacency = computed.assembled(selected, output_keys, n_active)
+        replicas.prefix = None
         placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
                   *zip(range(n_nodes - len(output_keys), n_nodes), output_keys)]
-        computed.place(dict((key, r) for r, key in placed), keep_columns, adjacency)
         graph = _graph(model, prompt, tokens, transcoders, state, selected, outputs, adjacency)
         if not head_loadings:
             return graph
@@ -227,68 +233,85 @@ def _graph(model, prompt, tokens, transcoders, state: Prompt, selected: Tensor, 
 
 
 class _Rows:
-    """The computed rows, kept as their batches ([batch source] each) with each key's (batch, row): one
-    tensor per batch, not one per row (a graph's thousands of small objects had the collector pause)."""
+    """The computed rows, written in place into one matrix allocated up front: the graph's adjacency when
+    every feature is computed (`at`: each key's row there), else [output + budget, source] in the order
+    computed, with each row's sum of absolute values (its normalisation in the ranking, taken once)."""
 
-    def __init__(self):
-        self.batches: list[Tensor] = []
-        self.at: dict = {}
+    def __init__(self, out: Tensor, at: dict | None = None):
+        self.out, self.at, self.fixed = out, at if at is not None else {}, at is not None
+        self.keys: list = []
+        self.abs_sums = torch.zeros(0 if self.fixed else out.shape[0], dtype=torch.float32)
 
     def add(self, keys: list, rows: Tensor) -> None:
-        for j, key in enumerate(keys):
-            self.at[key] = (len(self.batches), j)
-        self.batches.append(rows)
+        if not self.fixed:
+            for key in keys:
+                self.at[key] = len(self.keys)
+                self.keys.append(key)
+        index = torch.tensor([self.at[key] for key in keys])
+        self.out[index, :rows.shape[1]] = rows
+        if not self.fixed:
+            self.abs_sums[index] = rows.abs().sum(1, dtype=torch.float32)
 
-    def stack(self, keys: list) -> Tensor:
-        return torch.stack([self.batches[b][j] for b, j in (self.at[key] for key in keys)])
-
-    def place(self, rows: dict, columns: Tensor, out: Tensor) -> None:
-        """Write the rows of the keys in `rows` (key -> row of `out`), over `columns`, releasing each batch."""
-        full = len(columns) == self.batches[0].shape[1] and bool((columns == torch.arange(len(columns))).all())
-        by_batch: dict[int, list] = {}
-        for key, r in rows.items():
-            b, j = self.at[key]
-            by_batch.setdefault(b, []).append((j, r))
-        for b in range(len(self.batches)):
-            if b in by_batch:
-                j, r = (torch.tensor(x) for x in zip(*by_batch[b]))
-                batch = self.batches[b][j]
-                out[r, :len(columns)] = batch if full else batch[:, columns]
-            self.batches[b] = None
-
-
-def _select_features(computed: "_Rows", logit_keys: list, logit_probs: Tensor, n_active: int, budget: int,
-                     batch_size: int, compute) -> Tensor:
-    """circuit-tracer's feature selection: rank the features not yet computed by their influence on the
-    logits through the rows computed so far, compute the top batch, repeat until `budget` are. Only the
-    computed rows are held ([computed source], never a dense [source source] matrix)."""
-    done: list[int] = []
-    while len(done) < budget:
-        rows = computed.stack([*logit_keys, *[("feature", i) for i in done]]).float()
-        own_column = torch.tensor([-1] * len(logit_keys) + done, dtype=torch.long)
-        weights = torch.cat([logit_probs.float().cpu(), torch.zeros(len(done))])
-        influence = _influence_of_rows(normalized_abs(rows), own_column, weights)[:n_active]
-        influence[done] = -1
-        take = influence.argsort(descending=True)[:min(batch_size, budget - len(done))].tolist()
-        compute([("feature", i) for i in take])
-        done.extend(take)
-    return torch.tensor(sorted(done), dtype=torch.long)
+    def assembled(self, selected: Tensor, output_keys: list, n_active: int, chunk: int = 256) -> Tensor:
+        """The adjacency over the selected features ([node node]: their rows and the outputs', the other
+        features' columns dropped), gathered a chunk of rows at a time (no second [row source] copy)."""
+        columns = torch.cat([selected, torch.arange(n_active, self.out.shape[1])])
+        n_nodes = len(columns) + len(output_keys)
+        adjacency = torch.zeros(n_nodes, n_nodes, dtype=self.out.dtype)
+        rows = [self.at[("feature", int(i))] for i in selected] + [self.at[key] for key in output_keys]
+        targets = [*range(len(selected)), *range(n_nodes - len(output_keys), n_nodes)]
+        for start in range(0, len(rows), chunk):
+            index = torch.tensor(rows[start:start + chunk])
+            adjacency[targets[start:start + chunk], :len(columns)] = self.out[index][:, columns]
+        self.out = None
+        return adjacency
 
 
-def _influence_of_rows(normalized: Float[Tensor, "row source"], own_column: Int[Tensor, " row"],
-                       weights: Float[Tensor, " row"]) -> Float[Tensor, " source"]:
-    """`_influence` of a graph of which only these rows are nonzero: row r is node `own_column[r]` as a
-    source (-1: a logit, no source), `weights` the rows' output weights. The same series, each step
-    carried from the sources back to the rows that are those sources."""
-    total = current = weights @ normalized
-    is_source = own_column >= 0
-    for _ in range(normalized.shape[0]):
-        at_rows = torch.zeros_like(weights)
-        at_rows[is_source] = current[own_column[is_source]]
-        if not bool(at_rows.any()):
+def _select_features(computed: _Rows, logit_probs: Tensor, n_active: int, budget: int, batch_size: int,
+                     compute, update_interval: int = 4) -> Tensor:
+    """circuit-tracer's feature selection (`_run_attribution`): rank the features by their influence on
+    the logits through the rows computed so far, compute the `update_interval` batches of the most
+    influential not yet computed, repeat until `budget` are (ties ordered as circuit-tracer's argsort
+    orders them). Only the computed rows are held ([computed source], never a dense [source source])."""
+    visited = torch.zeros(n_active, dtype=torch.bool)
+    n_outputs, done = len(logit_probs), 0
+    while done < budget:
+        n = n_outputs + done
+        own = torch.tensor([-1] * n_outputs + [key[1] for key in computed.keys[n_outputs:n]], dtype=torch.long)
+        weights = torch.cat([logit_probs.float().cpu(), torch.zeros(done)])
+        influence = _influence_of_rows(computed.out[:n], computed.abs_sums[:n], own, weights, n_active)
+        rank = influence.argsort(descending=True)
+        take = rank[~visited[rank]][:min(update_interval * batch_size, budget - done)]
+        compute([("feature", i) for i in take.tolist()])
+        visited[take] = True
+        done += len(take)
+    return visited.nonzero().flatten()
+
+
+def _influence_of_rows(rows: Float[Tensor, "row source"], abs_sums: Float[Tensor, " row"],
+                       own_column: Int[Tensor, " row"], weights: Float[Tensor, " row"],
+                       n_columns: int, chunk: int = 256) -> Float[Tensor, " column"]:
+    """The first `n_columns` of `_influence` of a graph of which only these rows are nonzero, each scaled to
+    sum 1 in absolute value (`abs_sums`: their sums): row r is node `own_column[r]` as a source (-1: a
+    logit, no source), `weights` the rows' output weights. The series w N + w N^2 + ... is
+    (w + a) N, a the influence on the rows' own nodes, which only the [row row] block of N carries: a is
+    summed over that small block, then one pass over the rows (a chunk at a time, their absolute values
+    never held whole)."""
+    scale = 1.0 / abs_sums.clamp(min=1e-10)
+    is_source = (own_column >= 0).nonzero().flatten()
+    block = rows[:, own_column[is_source]].abs().float() * scale[:, None]  # [row, computed feature]
+    at, reached = weights, torch.zeros_like(weights)
+    for _ in range(rows.shape[0]):  # a path visits each row once at most: the series ends by then
+        current = at @ block
+        if not bool(current.any()):
             break
-        current = at_rows @ normalized
-        total = total + current
-    return total
-
-
+        at = torch.zeros_like(weights)
+        at[is_source] = current
+        reached += at
+    v = (weights + reached) * scale
+    influence = torch.zeros(n_columns)
+    used = v.nonzero().flatten()
+    for start in range(0, len(used), chunk):
+        index = used[start:start + chunk]
+        influence += v[index] @ rows[index, :n_columns].abs().float()
+    return influence

@@ -387,7 +387,8 @@ def test_the_selections_influence_from_the_computed_rows_alone_is_the_dense_grap
     weights[n_sources:] = torch.tensor([0.5, 0.3, 0.2])
     expected = _influence(_normalized(dense), weights)[:n_sources]
     own_column = torch.tensor([-1] * n_logits + done)
-    got = _influence_of_rows(_normalized(rows), own_column, torch.cat([weights[n_sources:], torch.zeros(len(done))]))
+    got = _influence_of_rows(rows, rows.abs().sum(1), own_column, torch.cat([weights[n_sources:], torch.zeros(len(done))]),
+                             n_sources)
     assert expected[done].abs().min() > 0  # the chosen features' own influence is part of the series
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
