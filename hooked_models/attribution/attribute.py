@@ -99,7 +99,8 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     `progress`: hooked_models/progress.py's `progress=` (phases "logits", "features", "gradients",
     "decomposition"); a callable raising `Cancelled` stops the run at a batch, the model's hooks removed.
 
-    Memory above the model and transcoders: one frozen forward, one batched backward
+    Memory above the model and transcoders: one frozen forward (and its prefixes', together at most 1.5
+    times as much), one batched backward
     pass's gradients at the leaves, the computed rows (targets x sources: with `max_feature_nodes`,
     only the rows computed) and the graph (nodes²); with head loadings, the kept targets' gradients at
     the head outputs (kept targets x layers x seq x heads x head_dim) and [kept edge layer head].
@@ -117,7 +118,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     n_layers, seq = transcoders.n_layers, tokens.shape[1]
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
-    replicas = Replicas(state, step=max(8, -(-seq // 8)))  # at most 8 prefixes, none shorter than 8
+    replicas = Replicas(state, step=max(8, -(-seq // 4)))  # at most 3 prefixes, none shorter than 8
     replica = replicas.full
     encoders = _active_encoders(transcoders, state.active, dtype)
     active = state.active.tolist()
@@ -165,7 +166,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         else:
             selected = _select_features(computed, weights, n_active, budget, batch_size, compute)
             adjacency = computed.assembled(selected, output_keys, n_active)
-        replicas.prefix = None
+        replicas.release()
         placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
                   *zip(range(n_nodes - len(output_keys), n_nodes), output_keys)]
         graph = _graph(model, prompt, tokens, transcoders, state, selected, outputs, adjacency)
