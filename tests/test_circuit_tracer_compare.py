@@ -37,7 +37,7 @@ def as_circuit_tracer(graph) -> dict:
 def test_compare_reconciles_position_0_and_finds_a_changed_edge_or_node(model):
     transcoders = ct.jumprelu_transcoders(model, 64, seed=1)
     graph = attribute(model, model.to_tokens(ct.PROMPT), transcoders, desired_logit_prob=0.99999,
-                      head_loadings=False)
+                      head_loadings=False, keep_position_zero=True)
     assert graph.n_logits == 10 and (graph.active_features[:, 1] == 0).any()
     theirs = as_circuit_tracer(graph)
     same = ct.compare(graph, theirs)
@@ -59,13 +59,29 @@ def test_compare_reconciles_position_0_and_finds_a_changed_edge_or_node(model):
     assert not ct.compare(graph, other_logits)["node_sets_equal"]
 
 
-@pytest.mark.skipif(not ct.SIDE_PYTHON.exists(), reason=f"no side environment at {ct.SIDE_PYTHON} "
-                    "(bash .ci/ct-env.sh builds it: circuit-tracer 0.5.0, transformers 4.57)")
-@pytest.mark.parametrize("seq", [None, 64])
-def test_same_graph_as_circuit_tracer_on_the_embedded_arcee(model, seq):
-    figures = ct.side_by_side(model, ct.PROMPT, 128, batch_size=32, rounds=1, desired_logit_prob=0.99999, seq=seq)
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    """Both sides' workers (benchmarks/circuit_tracer_driver.py), where the side environment exists."""
+    if not ct.SIDE_PYTHON.exists():
+        pytest.skip(f"no side environment at {ct.SIDE_PYTHON} (bash .ci/ct-env.sh builds it: circuit-tracer 0.5.0, "
+                    "transformers 4.57)")
+    from benchmarks.circuit_tracer_driver import Session
+
+    session = Session(tmp_path_factory.mktemp("circuit-tracer"))
+    yield session
+    session.close()
+
+
+@pytest.mark.parametrize("seq, max_feature_nodes", [(16, None), (64, None), (32, 256), (64, 512)])
+def test_same_graph_as_circuit_tracer_on_the_embedded_arcee(session, seq, max_feature_nodes):
+    """Every feature, and a feature budget (circuit-tracer's selection, position 0 dropped by default on
+    both sides): the same features, logits and edges. (circuit-tracer cannot attribute on alpha-er, the
+    other embedded model: tests/test_circuit_tracer_alpha_er.py compares the forward it can run.)"""
+    case = ct.Case("embedded", "embedded", 128, seq, max_feature_nodes=max_feature_nodes)
+    figures = session.compared(case, batch_size=32, desired_logit_prob=0.99999)
     assert figures["node_sets_equal"], figures
-    assert len(figures["logit_tokens"]) == 10 and figures["features"] > 100
+    assert len(figures["logit_tokens"]) == 10
+    assert figures["features"] == max_feature_nodes if max_feature_nodes else figures["features"] > 100
     assert figures["their_position_0_error_columns_zero"]
     assert figures["max_abs_activation_diff"] == 0 and figures["max_abs_logit_probability_diff"] == 0
     # float32 rounding: 2e-7 of the largest edge on this model (benchmarks/results/circuit_tracer_compare.json)
