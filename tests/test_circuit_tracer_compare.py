@@ -80,7 +80,7 @@ def test_same_graph_as_circuit_tracer_on_the_embedded_arcee(session, seq, max_fe
     case = ct.Case("embedded", "embedded", 128, seq, max_feature_nodes=max_feature_nodes)
     figures = session.compared(case, batch_size=32, desired_logit_prob=0.99999)
     assert figures["node_sets_equal"], figures
-    assert len(figures["logit_tokens"]) == 10
+    assert len(figures["logit_tokens"]) > 1  # (the same tokens: part of node_sets_equal)
     assert figures["features"] == max_feature_nodes if max_feature_nodes else figures["features"] > 100
     assert figures["their_position_0_error_columns_zero"]
     assert figures["max_abs_activation_diff"] == 0 and figures["max_abs_logit_probability_diff"] == 0

@@ -366,6 +366,21 @@ def test_bad_input_is_refused_with_the_value(tl_model_factory, bad, message):
 
 
 # ------------------------------------------------------------------------------------------ memory
+def test_the_selection_reranks_every_four_batches_as_circuit_tracer_does(setup, monkeypatch):
+    """circuit-tracer ranks, computes `update_interval` (4) batches of the top features, and ranks again: 20
+    features in batches of 2 are three rankings (8, 8, 4), not ten (the side-env test compares the nodes)."""
+    import sys
+
+    module = sys.modules["hooked_models.attribution.attribute"]  # (the package's `attribute` is the function)
+    model, tcs, tokens, graph = setup
+    ranked = []
+    influence = module._influence_of_rows
+    monkeypatch.setattr(module, "_influence_of_rows", lambda rows, *args: ranked.append(rows.shape[0]) or influence(rows, *args))
+    part = attribute(model, tokens, tcs, max_feature_nodes=20, batch_size=2, head_loadings=False)
+    assert part.n_features == 20
+    assert ranked == [part.n_logits, part.n_logits + 8, part.n_logits + 16]
+
+
 def test_the_selections_influence_from_the_computed_rows_alone_is_the_dense_graphs():
     """`max_feature_nodes` ranks features by `_influence_of_rows` over the rows computed so far; it must
     equal `_influence` of the dense [node node] matrix those rows make (which it avoids building)."""
