@@ -66,12 +66,13 @@ class Prompt:
     `frozen`, run with the freezing hooks (which keep every value but send attention down its explicit
     path, as in the frozen runs that follow), so that the values here are theirs bit for bit.
 
-    `keep_position_zero=False` (`attribute`'s default): position 0's features are not among the active
-    ones and its errors are zero, as circuit-tracer's `zero_positions` has them; what its MLPs write there
-    beyond each transcoder's bias and skip is `held` [layer seq d_out], a constant of the prompt beside
-    the biases (zero at every other position, and everywhere when position 0 is kept)."""
+    `keep_position_zero=False` (what `attribute` passes by default): position 0's features are not among
+    the active ones and its errors are zero, as circuit-tracer's `zero_positions` has them; what its MLPs
+    write there beyond each transcoder's bias and skip is `held` [layer seq d_out], a constant of the prompt
+    beside the biases (zero at every other position, and everywhere when position 0 is kept, the default
+    here: interventions read the true errors)."""
 
-    def __init__(self, model, tokens: Tensor, transcoders, frozen: bool = True, keep_position_zero: bool = False):
+    def __init__(self, model, tokens: Tensor, transcoders, frozen: bool = True, keep_position_zero: bool = True):
         self.model, self.tokens, self.transcoders = model, tokens, transcoders
         n = transcoders.n_layers
         self.inputs = [transcoders.input_hook(l) for l in range(n)]
