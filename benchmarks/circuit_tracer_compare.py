@@ -21,7 +21,7 @@ change of the shared machine's load falls on both; each side runs every batch si
 lowest median) and both at circuit-tracer's best. Per call: CPU seconds of the worker (median over the
 rounds, after one untimed warm-up per case and side, each call after an untimed `gc.collect()`), and the
 peak resident memory above the worker's resident memory before the call (VmHWM, reset through
-/proc/self/clear_refs before each call, minus VmRSS then). The load average before and after each case,
+/proc/self/clear_refs before each call, after glibc's malloc_trim has returned the freed heap, minus VmRSS then). The load average before and after each case,
 the thread count of each worker and every batch size's median are in the results file.
 
 Cases (`CASES`): the embedded Arcee (2 layers, hidden 64; JumpReLU transcoders 1024 wide) with every
@@ -106,8 +106,12 @@ CASES = [
 
 # ------------------------------------------------------------------------------------ in every worker
 def peak_memory_reset() -> int:
-    """Reset the process's peak resident memory (VmHWM) to its current resident memory, which is returned
-    (bytes)."""
+    """Return the heap's free memory to the system (glibc's malloc_trim: else one side's call reuses what its
+    previous call freed and shows no increase where the other's does), then reset the process's peak
+    resident memory (VmHWM) to its current resident memory, which is returned (bytes)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     return _status("VmRSS")
 

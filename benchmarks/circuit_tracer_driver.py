@@ -110,6 +110,8 @@ def interleaved(session: Session, case: Case, batch_sizes: list[int], rounds: in
             order = SIDES if (r + first) % 2 == 0 else SIDES[::-1]
             for side in order:
                 calls[side][b].append(session.run(side, case, b, desired_logit_prob))
+            print(f"  {case.model} {case.tokens} tokens, batch {b}, round {r}: " + ", ".join(
+                f"{side} {calls[side][b][-1]['cpu_s']:.3f} s" for side in SIDES), file=sys.stderr, flush=True)
     return {side: {b: {"cpu_s": statistics.median(c["cpu_s"] for c in calls[side][b]),
                        "wall_s": statistics.median(c["wall_s"] for c in calls[side][b]),
                        "peak_bytes": max(c["peak_bytes"] for c in calls[side][b]),
