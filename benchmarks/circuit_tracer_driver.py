@@ -152,13 +152,16 @@ def measure(cases: list[Case], args) -> None:
         try:
             for index, case in enumerate(cases):
                 rows.append(measured_case(session, case, args, index))
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "sweep"}), flush=True)
+                print(json.dumps(rows[-1]), flush=True)
+                # Saved after every case: a run stopped part way keeps what it measured.
+                results.save({"prompt": args.prompt, "rounds": args.rounds,
+                              "desired_logit_prob": args.desired_logit_prob, "batch_sizes": args.batch_sizes,
+                              "threads": session.threads,
+                              "interleaving": "round by round: one call of each side per round, who goes first "
+                                              "alternating between rounds (and between cases); one untimed warm-up "
+                                              "per case and side",
+                              "transcoders": "random per-layer JumpReLU, skip connections, saved by TranscoderSet.save",
+                              "cases": rows})
         finally:
             session.close()
-    results.save({"prompt": args.prompt, "rounds": args.rounds, "desired_logit_prob": args.desired_logit_prob,
-                  "batch_sizes": args.batch_sizes, "threads": session.threads,
-                  "interleaving": "round by round: one call of each side per round, who goes first alternating "
-                                  "between rounds (and between cases); one untimed warm-up per case and side",
-                  "transcoders": "random per-layer JumpReLU, skip connections, saved by TranscoderSet.save",
-                  "cases": rows})
 
