@@ -212,7 +212,8 @@ def attribute_dataset(model, dataset, transcoders, out: "str | os.PathLike", *, 
     entries = dataset_prompts(model, dataset)
     first = torch.tensor([entries[0]["tokens"]], device=next(model.parameters()).device)
     _check_arguments(model, first, tcs, *(settings[k] for k in ("max_feature_nodes", "desired_logit_prob",
-                                                                 "max_n_logits", "batch_size", "head_loadings", "qk")))
+                                                                 "max_n_logits", "batch_size", "head_loadings", "qk",
+                                                                 "keep_position_zero")))
     job = {"format": FORMAT, "model": model_identity(model), "transcoders": transcoders_identity(tcs),
            "settings": settings, "prompts": entries}
     out.mkdir(parents=True, exist_ok=True)

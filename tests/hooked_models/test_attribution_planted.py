@@ -107,7 +107,8 @@ def head_setup(request, tl_model_factory):
     model = tl_model_factory(request.param)
     tcs = make_transcoders(model, d_transcoder=16)
     tokens = torch.randint(0, model.cfg.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(5))
-    graph = attribute(model, tokens, tcs, batch_size=64, head_loadings="all")  # every edge: the oracle checks them all
+    # Every edge, position 0's too (kept: its features and errors are nodes): the oracle checks them all.
+    graph = attribute(model, tokens, tcs, batch_size=64, head_loadings="all", keep_position_zero=True)
     return graph, copy.deepcopy(model).to(torch.float64), copy.deepcopy(tcs).to(torch.float64), tokens
 
 
