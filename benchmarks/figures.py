@@ -474,15 +474,16 @@ def circuit_tracer_table() -> str:
     loads = [x for c in f["cases"] for x in (c["load_average_before"][0], c["load_average_after"][0])]
     threads = ", ".join(f"{side} {n}" for side, n in f["threads"].items())
     swept = {(c["label"], c["tokens"]): sorted(int(b) for b in c["sweep"]["hooked_models"]) for c in f["cases"]}
-    fewer = "".join(f" ({', '.join(map(str, sizes))} only on the {label.split(' (')[0]} at {tokens} tokens)"
-                    for (label, tokens), sizes in swept.items() if sizes != sorted(f["batch_sizes"]))
+    fewer = "; ".join(f"{', '.join(map(str, sizes))} only on the {label.split(' (')[0]} at {tokens} tokens"
+                      for (label, tokens), sizes in swept.items() if sizes != sorted(f["batch_sizes"]))
+    fewer = f" ({fewer})" if fewer else ""
     return "\n".join(lines + ["", f"Measured {r['date'][:10]}, load average {min(loads):.1f}-{max(loads):.1f} on "
                                    f"{r['machine']['cores']} cores (each case's before and after in the results file); "
                                    f"circuit-tracer {versions['circuit-tracer']}, nnsight {versions['nnsight']}, "
                                    f"transformers {versions['transformers']}; torch threads: {threads}; batch sizes "
                                    f"{', '.join(map(str, f['batch_sizes']))} on both sides{fewer}, interleaved {f['interleaving']}; "
                                    f"median CPU time of {f['rounds']} calls, each after an untimed gc.collect(); "
-                                   f"{len(f['cases'][0]['logit_tokens'])} logits."])
+                                   f"the logits covering {f['desired_logit_prob']} of the probability, at most 10."])
 
 
 def circuit_tracer_sentence() -> str:
