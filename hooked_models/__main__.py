@@ -246,7 +246,8 @@ def _train_command(commands) -> None:
     how.add_argument("--batch-tokens", type=int, default=1024, metavar="N",
                      help="tokens per step, shared among the processes (default: %(default)s)")
     how.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (default: %(default)s)")
-    how.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default: %(default)s)")
+    how.add_argument("--warmup-steps", type=int, default=None,
+                     help="linear warm-up steps (default: a tenth of the steps, at most 1000)")
     how.add_argument("--decay-fraction", type=float, default=0.2,
                      help="the last fraction of the steps, over which lr decays linearly to 0 (default: %(default)s)")
     how.add_argument("--init", choices=("tied", "zero_decoder", "unit_decoder"), default="tied",

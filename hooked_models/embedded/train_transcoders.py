@@ -36,7 +36,9 @@ TRANSCODER_TRAIN_PROMPTS = 4096
 HELD_OUT_SEED = 8
 HELD_OUT_PROMPTS = 512
 
-CONFIG = TrainingConfig(d_transcoder=256, activation="topk", k=16, steps=1500, batch_tokens=1024, lr=2e-3, seed=0)
+# The recipe the shipped transcoders were trained with (no warm-up: it predates the default one).
+CONFIG = TrainingConfig(d_transcoder=256, activation="topk", k=16, steps=1500, batch_tokens=1024, lr=2e-3, seed=0,
+                        warmup_steps=0, decay_fraction=0.2, init="tied")
 
 
 def train_family(family: str, out: Path, config: TrainingConfig = CONFIG, progress: bool | None = None) -> dict:

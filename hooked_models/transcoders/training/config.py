@@ -28,8 +28,9 @@ class TrainingConfig:
 
     BatchTopK (Bussmann et al. 2024) keeps the k·B largest activations of a batch of B tokens; the features
     it saves are JumpReLUs whose threshold is the running mean of the smallest kept activation (`k` stays
-    the average L0). Adam at `lr`, warmed up linearly over `warmup_steps`, then decayed linearly to zero
-    over the last `decay_fraction` of the steps.
+    the average L0). Adam at `lr`, warmed up linearly over `warmup_steps` (default None: the first tenth of
+    the steps, at most 1,000, sparsify's warm-up), then decayed linearly to zero over the last
+    `decay_fraction` of the steps.
 
     init: "tied" (default: encoder as torch.nn.Linear draws it, decoder its transpose with rows scaled to
     norm `init_scale`), "zero_decoder" (sparsify's transcoder initialization) or "unit_decoder" (this
@@ -51,7 +52,7 @@ class TrainingConfig:
     steps: int = 2000
     batch_tokens: int = 1024
     lr: float = 2e-3
-    warmup_steps: int = 0
+    warmup_steps: int | None = None  # None: steps // 10, at most 1,000 (`warmup`)
     decay_fraction: float = 0.2
     init: str = "tied"
     init_scale: float = 0.1
@@ -78,6 +79,8 @@ class TrainingConfig:
             check_size(name, getattr(self, name))
         for name in ("warmup_steps", "buffer_tokens"):
             value = getattr(self, name)
+            if name == "warmup_steps" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if self.activation not in TRAINED_ACTIVATIONS:
@@ -113,6 +116,14 @@ class TrainingConfig:
                     len(set(layers)) != len(layers)):
                 raise ValueError(f"layers={self.layers!r} must be distinct non-negative layer indices")
             object.__setattr__(self, "layers", tuple(sorted(layers)))
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up's length in steps: `warmup_steps`, or a tenth of the steps (at most 1,000) where it is None.
+        A short warm-up keeps the first large steps at a high lr from killing features (the embedded recipe at lr
+        1.6e-2, 3 seeds: without it 9.9 % and 2.7 % of the features dead on held-out prompts, with 150 to 200 steps
+        of 1,500 a few %, FVU no worse; benchmarks/transcoder_training.py)."""
+        return min(self.steps // 10, 1000) if self.warmup_steps is None else self.warmup_steps
 
     def replace(self, **changes) -> "TrainingConfig":
         """A copy with `changes`; an unknown name is a ValueError naming it."""

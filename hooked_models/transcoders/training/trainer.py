@@ -24,8 +24,8 @@ from hooked_models.transcoders.training.state import Shard
 
 
 def lr_factor(step: int, config: TrainingConfig) -> float:
-    """Linear warm-up over `warmup_steps`, constant, then linear decay to zero over the last `decay_fraction`."""
-    factor = min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    """Linear warm-up over `config.warmup` steps, constant, then linear decay to zero over the last `decay_fraction`."""
+    factor = min(1.0, (step + 1) / config.warmup) if config.warmup else 1.0
     decay_from = config.steps - int(config.steps * config.decay_fraction)
     if step >= decay_from:
         factor *= (config.steps - step) / (config.steps - decay_from)

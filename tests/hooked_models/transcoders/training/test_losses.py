@@ -171,6 +171,18 @@ def test_the_learning_rate_warms_up_then_decays_to_zero():
     assert factors[80] == 1.0 and factors[90] == 0.5 and factors[99] == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("steps, warmup", [(1500, 150), (25_000, 1000), (9, 0)])
+def test_the_default_warm_up_is_a_tenth_of_the_steps_at_most_a_thousand(steps, warmup):
+    config = TrainingConfig(steps=steps)
+    assert config.warmup_steps is None and config.warmup == warmup
+    factors = [lr_factor(s, config) for s in range(min(steps, 2000))]
+    if warmup:
+        assert factors[0] == 1 / warmup and factors[warmup - 2] < 1.0 and factors[warmup - 1] == 1.0
+    else:
+        assert factors[0] == 1.0
+    assert TrainingConfig(steps=steps, warmup_steps=0).warmup == 0 and lr_factor(0, config.replace(warmup_steps=0)) == 1.0
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(activation="topk", k=300), r"k=300: topk needs an integer k in \[1, d_transcoder=256\]"),
     (dict(activation="batchtopk"), r"k=None: batchtopk needs an integer k"),
@@ -180,6 +192,7 @@ def test_the_learning_rate_warms_up_then_decays_to_zero():
     (dict(init="xavier"), r"init='xavier' must be one of tied, zero_decoder, unit_decoder"),
     (dict(dead_tokens=0), r"dead_tokens=0 must be a positive integer"),
     (dict(lr=0.0), r"lr=0.0 must be a positive number"),
+    (dict(warmup_steps=-1), r"warmup_steps=-1 must be a non-negative integer"),
     (dict(decay_fraction=1.5), r"decay_fraction=1.5 must be at most 1"),
     (dict(layers=(1, 1)), r"layers=\(1, 1\) must be distinct non-negative layer indices"),
     (dict(layers=(0,), cross_layer=True), r"layers=\(0,\): a cross-layer transcoder spans every layer"),
