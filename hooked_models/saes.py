@@ -49,6 +49,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from hooked_models.hooks import ValueHook
+from hooked_models.sae_metadata import sae_hook_name, sae_hook_name_out, sae_out_width, sae_width  # noqa: F401
 from hooked_models.vocabulary import Value
 
 # The SAE's HookPoints, in the order they fire; SAELens's SAEs call the first four inside encode/decode.
@@ -59,27 +60,7 @@ _SAE_OWN = SAE_HOOKS[:4]
 _SPLICE_MADE = ("hook_sae_input", "hook_sae_acts_post", "hook_sae_recons")
 
 
-def sae_hook_name(sae: nn.Module) -> str | None:
-    """The hook an SAE was trained at: SAELens's `cfg.metadata.hook_name`, else a `hook_name` attribute."""
-    metadata = getattr(getattr(sae, "cfg", None), "metadata", None)
-    name = getattr(metadata, "hook_name", None)
-    return name if name is not None else getattr(sae, "hook_name", None)
 
-
-def sae_hook_name_out(sae: nn.Module) -> str | None:
-    """The value a transcoder writes: SAELens's `cfg.metadata.hook_name_out`, else `hook_name_out`."""
-    metadata = getattr(getattr(sae, "cfg", None), "metadata", None)
-    name = getattr(metadata, "hook_name_out", None)
-    return name if name is not None else getattr(sae, "hook_name_out", None)
-
-
-def sae_out_width(sae: nn.Module) -> int | None:
-    """The width an SAE or transcoder writes (`cfg.d_out`, `d_out`, W_dec's columns; an SAE's d_in)."""
-    for width in (getattr(getattr(sae, "cfg", None), "d_out", None), getattr(sae, "d_out", None)):
-        if isinstance(width, int):
-            return width
-    w_dec = getattr(sae, "W_dec", None)
-    return int(w_dec.shape[1]) if isinstance(w_dec, Tensor) and w_dec.ndim == 2 else sae_width(sae)
 
 
 def _spliced_modules(saes) -> list[nn.Module]:
@@ -88,14 +69,6 @@ def _spliced_modules(saes) -> list[nn.Module]:
     return [m for module in modules for m in (module.spliced_modules() if hasattr(module, "spliced_modules")
                                               else [module])]
 
-
-def sae_width(sae: nn.Module) -> int | None:
-    """The width an SAE reads (SAELens's `cfg.d_in`, a `d_in` attribute, or W_enc's rows), if it says."""
-    for width in (getattr(getattr(sae, "cfg", None), "d_in", None), getattr(sae, "d_in", None)):
-        if isinstance(width, int):
-            return width
-    w_enc = getattr(sae, "W_enc", None)
-    return int(w_enc.shape[0]) if isinstance(w_enc, Tensor) and w_enc.ndim == 2 else None
 
 
 class _Splice:

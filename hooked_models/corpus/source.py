@@ -3,13 +3,13 @@ and the identity a harvest records (family, config, a fingerprint of the weights
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
 from hooked_models.dtypes import resolve_dtype
 from hooked_models.families import detect_family, family_name, load_model
-from hooked_models.model import HookedModel
 
 
 def _family(family: str | None, source) -> str:
@@ -28,13 +28,20 @@ class ModelSource:
         return load_model(self.source, self.family, self.dtype, device)
 
 
+def is_hooked_model(obj) -> bool:
+    """Whether `obj` is a loaded hooked model, without importing the model's module (and TransformerLens,
+    seconds) where no model was ever made: then nothing can be one."""
+    module = sys.modules.get("hooked_models.model")
+    return module is not None and isinstance(obj, module.HookedModel)
+
+
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def model_source(model, family, dtype) -> ModelSource:
     """Where workers load the model from; a model object has no path to load from."""
-    if isinstance(model, HookedModel):
+    if is_hooked_model(model):
         raise ValueError("engine='ray' loads the model in each worker from a path; pass the checkpoint "
                          "path (model.save_pretrained(dir) writes one), or use engine='local'")
     if not isinstance(model, (str, os.PathLike)):
@@ -45,7 +52,7 @@ def model_source(model, family, dtype) -> ModelSource:
 
 def resolve_model(model, family, dtype, engine: str):
     """(the model, its source for workers or None for an object)."""
-    if isinstance(model, HookedModel) and engine == "local":
+    if is_hooked_model(model) and engine == "local":
         if dtype is not None and resolve_dtype(dtype) != next(model.parameters()).dtype:
             raise ValueError(f"dtype={dtype} differs from the model's {next(model.parameters()).dtype}; "
                              "dtype applies when the model is loaded from a path")

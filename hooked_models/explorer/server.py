@@ -40,7 +40,7 @@ from hooked_models.explorer.subgraphs import PREFIX as SUBGRAPH_ROUTES, Subgraph
 from hooked_models.features.circuit_tracer_files import FEATURE_NODE, METADATA as GRAPH_LIST
 from hooked_models.features.results import META as STATISTICS
 from hooked_models.transcoders import TranscoderSet, load_transcoders
-from hooked_models.saes import sae_hook_name
+from hooked_models.sae_metadata import sae_hook_name
 
 STATIC = Path(__file__).parent / "static"
 

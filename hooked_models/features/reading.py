@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.nn as nn
 from torch import Tensor
 
-from hooked_models.saes import sae_hook_name
+from hooked_models.sae_metadata import sae_hook_name
 
 # The dashboards' progress: the fraction of the harvest read.
 ProgressFraction = Callable[[float], None]

@@ -32,7 +32,7 @@ from hooked_models.features.partial import Limits, Partial, merge, merge_all, of
 from hooked_models.features.reading import d_sae_of, open_harvest
 from hooked_models.features.results import META, FeatureStatistics, LayerStatistics
 from hooked_models.progress import ProgressArg, tracker
-from hooked_models.saes import sae_hook_name
+from hooked_models.sae_metadata import sae_hook_name
 
 CHECKPOINT = "checkpoint.safetensors"
 # Batch partials merged at once in a worker (the result is the same for any number: the merge is exact).

@@ -121,6 +121,18 @@ def test_help_imports_neither_torch_nor_transformer_lens():
     assert "--context-size" in result.stdout and result.stdout.strip().endswith("[]")
 
 
+@pytest.mark.parametrize("module", ["hooked_models.attribution", "hooked_models.features",
+                                    "hooked_models.transcoders"])
+def test_reading_graphs_statistics_and_transcoders_does_not_import_transformer_lens(module):
+    # Loading a graph store, feature statistics or a transcoder set needs no model: TransformerLens (seconds
+    # to import) comes in with the first hooked model, not before.
+    code = f"import sys\nimport {module}\nprint('transformer_lens' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_ctrl_c_during_a_harvest_says_how_to_resume(tmp_path):
     """SIGINT once a shard is done: exit 130, and one line (after the ^C) that says to rerun the command."""
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(1, 100, size=(1000, 16)))
