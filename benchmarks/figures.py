@@ -908,10 +908,14 @@ def sparsify_table() -> str:
               f"{f['sparsify_versions']['transformers']}; one thread. sparsify's transcoders converted into ours score "
               f"its own FVU within {conversion:.0e} (relative, every run). KL: the replacement model's next-token "
               "distributions from the model's, per position."]
-    tuning = "; ".join(f"{r['setting']}: {' / '.join(f'{v:.5f}' for v in r['fvu'])}" for r in f["tuning"]["runs"])
+    tuning = "; ".join(f"{r['setting']}: FVU {' / '.join(f'{v:.5f}' for v in r['fvu'])}, L0 "
+                       f"{' / '.join(f'{v:.1f}' for v in r['l0'])}, dead % {' / '.join(f'{v:.1f}' for v in r['dead_pct'])}"
+                       for r in f["tuning"]["runs"])
     if tuning:
+        rule = f["tuning"].get("our_rule")
         lines += ["", f"Learning rates tuned on seed {f['tuning']['seed']} (held-out FVU per layer; the lowest "
-                  f"geometric mean over layers chosen; sides interleaved lr by lr where both were tuned): {tuning}."]
+                  "geometric mean over layers chosen" + (f"; ours: {rule}" if rule else "")
+                  + f"; sides interleaved lr by lr where both were tuned): {tuning}."]
     if not any(r["side"] == "sparsify" for r in f["tuning"]["runs"]):
         lines += ["", "sparsify's Adam lr was given (`--adam-lr`, the command above), not tuned in this run: "
                   "the lr its own sweep over 2e-3 ... 3.2e-2 chose on this recipe, seed and data (`python "

@@ -19,9 +19,12 @@ sparsify (1.3.3, PyPI `eai-sparsify`) is not installed beside this package, so e
   FVU-against-L0 figure.
 
 sparsify at its best: its learning rate is tuned first, on the first seed (ADAM_LRS, SIGNUM_LRS; `--adam-lr`,
-`--signum-lr` skip it), then every compared setting (`compared_settings`: the issue's Adam at 2e-3 with its
-default warm-up among them) and ours train with every seed, and the k sweep runs sparsify's best setting and ours.
-A run already made (the same side, setting, seed and k) is reused, not repeated.
+`--signum-lr` skip it), by held-out FVU alone. Ours is tuned over the same grid on the same seed, at the same L0:
+the lowest FVU among the lrs whose held-out L0 is at least that of sparsify's best on every layer (the issue
+compares FVU "at the same L0": a TopK run whose L0 falls below k, as ours does at high lrs, buys its FVU with
+fewer active features and, here, many dead ones). Then every compared setting (`compared_settings`: the issue's
+Adam at 2e-3 with its default warm-up among them) and ours train with every seed, and the k sweep runs
+sparsify's best setting and ours. A run already made (the same side, setting, seed and k) is reused, not repeated.
 
 The recipe (issue 31): transcoders of `layers.{0,1}.mlp` (sparsify's hookpoints: the module's input and
 output, our `mlp_input` and `mlp.mlp_output`), 256 latents, TopK k=16 (sparsify's TopK of ReLU(pre) and our
@@ -367,12 +370,18 @@ def main() -> None:
             pairs += [("sparsify", named) for named in [signum(lr) for lr in SIGNUM_LRS]]
         tuning = [run_side(args, side, tokens_file, seed, K, *named) for side, named in pairs]
         for kind, of in (("adam", lambda r: r["side"] == "sparsify" and "Adam" in r["setting"]),
-                         ("ours", lambda r: r["side"] == "ours"),
                          ("signum", lambda r: r["side"] == "sparsify" and "Signum" in r["setting"])):
             runs = [r for r in tuning if of(r)]
             if runs:
-                lr = {n: v for side, (n, v) in pairs}[best(runs)].get("lr")
-                setattr(args, f"{'our' if kind == 'ours' else kind}_lr", lr)
+                setattr(args, f"{kind}_lr", {n: v for side, (n, v) in pairs}[best(runs)].get("lr"))
+        # Ours at sparsify's L0: its best Adam setting's L0 on this seed (that run is reused in the seeds below).
+        anchor = run_side(args, "sparsify", tokens_file, seed, K, *adam(args.adam_lr))
+        ours_runs = [r for r in tuning if r["side"] == "ours"]
+        if ours_runs:
+            matched = [r for r in ours_runs if all(o >= t for o, t in zip(r["l0"], anchor["l0"]))]
+            chosen = best(matched or ours_runs)
+            args.our_lr = {n: v for side, (n, v) in pairs}[chosen]["lr"]
+            print(f"ours at sparsify's L0 ({fmt(anchor['l0'], 2)}): {chosen}", flush=True)
         settings = compared_settings(args.adam_lr, args.signum_lr, args.brief)
         mine = our_settings(args.our_lr)
         print(f"k={K}, seeds {args.seeds}: sparsify's settings then ours, seed by seed", flush=True)
@@ -405,7 +414,9 @@ def main() -> None:
         "held_out": {"corpus": f"make_ioi_prompts({HELD_OUT_PROMPTS}, {HELD_OUT_SEED}).clean_tokens",
                      "tokens": int(args.held_out.numel())},
         "sparsify_versions": args.sparsify_versions,
-        "tuning": {"seed": args.seeds[0], "k": K, "runs": [brief_run(r) for r in tuning]},
+        "tuning": {"seed": args.seeds[0], "k": K, "runs": [brief_run(r) for r in tuning],
+                   "our_rule": "the lowest FVU among our lrs whose held-out L0 is at least sparsify's best's on "
+                               "every layer (seed 0)"},
         "sparsify_settings": settings, "sparsify_best": overall, "sparsify_best_adam": best_adam,
         "our_settings": mine, "our_best": our_best, "our_clt": ours(args.our_lr, cross_layer=True)[0],
         "runs": runs, "summary": summary,

@@ -24,8 +24,10 @@ from hooked_models.attribution.targets import OutputTarget, Target, resolve, tar
 from hooked_models.progress import ProgressArg, tracker
 
 
-def _check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
-                     batch_size, head_loadings, qk, keep_position_zero) -> None:
+def check_arguments(model, tokens: Tensor, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits,
+                    batch_size, head_loadings, qk, keep_position_zero) -> None:
+    """A ValueError naming the first of `attribute`'s arguments that is out of bounds (attribute_dataset checks
+    its settings with it before the first graph)."""
     check_prompt(model, tokens, transcoders)
     if not isinstance(keep_position_zero, bool):
         raise ValueError(f"keep_position_zero={keep_position_zero!r} must be True or False")
@@ -107,8 +109,8 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     No parameter gradients; nothing outlives a backward pass but its rows.
     """
     tokens = prompt_tokens(model, prompt)
-    _check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size,
-                     head_loadings, qk, keep_position_zero)
+    check_arguments(model, tokens, transcoders, max_feature_nodes, desired_logit_prob, max_n_logits, batch_size,
+                    head_loadings, qk, keep_position_zero)
     state = Prompt(model, tokens, transcoders, keep_position_zero=keep_position_zero)
     if targets is None:
         outputs = salient_targets(model, state, desired_logit_prob, max_n_logits)

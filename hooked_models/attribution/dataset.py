@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hooked_models.attribution.attribute import _check_arguments, attribute
+from hooked_models.attribution.attribute import attribute, check_arguments
 from hooked_models.attribution.replacement import prompt_tokens
 from hooked_models.attribution.store import (
     FORMAT,
@@ -211,7 +211,7 @@ def attribute_dataset(model, dataset, transcoders, out: "str | os.PathLike", *, 
            if isinstance(transcoders, (str, os.PathLike)) else transcoders)
     entries = dataset_prompts(model, dataset)
     first = torch.tensor([entries[0]["tokens"]], device=next(model.parameters()).device)
-    _check_arguments(model, first, tcs, *(settings[k] for k in ("max_feature_nodes", "desired_logit_prob",
+    check_arguments(model, first, tcs, *(settings[k] for k in ("max_feature_nodes", "desired_logit_prob",
                                                                  "max_n_logits", "batch_size", "head_loadings", "qk",
                                                                  "keep_position_zero")))
     job = {"format": FORMAT, "model": model_identity(model), "transcoders": transcoders_identity(tcs),
