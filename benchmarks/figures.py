@@ -872,7 +872,11 @@ def sparsify_targets(f: dict) -> list[tuple[str, bool]]:
     fvu = [o["mean"] <= t["mean"] for o, t in zip(ours["fvu"], theirs["fvu"])]
     return [("FVU at most its on every layer", all(fvu)),
             ("loss recovered at least its", ours["loss_recovered"]["mean"] >= theirs["loss_recovered"]["mean"]),
-            ("dead % at most its", all(o["mean"] <= t["mean"] for o, t in zip(ours["dead_pct"], theirs["dead_pct"]))),
+            ("dead % at most its" + ("" if len({o["mean"] <= t["mean"] for o, t in zip(ours["dead_pct"], theirs["dead_pct"])})
+                                      == 1 else " (" + ", ".join(
+                f"layer {l} {'met' if o['mean'] <= t['mean'] else 'not'}" for l, (o, t) in
+                enumerate(zip(ours["dead_pct"], theirs["dead_pct"]))) + ")"),
+             all(o["mean"] <= t["mean"] for o, t in zip(ours["dead_pct"], theirs["dead_pct"]))),
             ("CPU time per token at most its",
              ours["cpu_s_per_1k_tokens"]["mean"] <= theirs["cpu_s_per_1k_tokens"]["mean"])]
 
