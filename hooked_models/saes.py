@@ -49,7 +49,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from hooked_models.hooks import ValueHook
-from hooked_models.sae_metadata import sae_hook_name, sae_hook_name_out, sae_out_width, sae_width  # noqa: F401
+from hooked_models.sae_metadata import sae_hook_name, sae_hook_name_out, sae_out_width, sae_width
 from hooked_models.vocabulary import Value
 
 # The SAE's HookPoints, in the order they fire; SAELens's SAEs call the first four inside encode/decode.

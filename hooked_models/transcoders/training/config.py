@@ -120,9 +120,8 @@ class TrainingConfig:
     @property
     def warmup(self) -> int:
         """The warm-up's length in steps: `warmup_steps`, or a tenth of the steps (at most 1,000) where it is None.
-        A short warm-up keeps the first large steps at a high lr from killing features (the embedded recipe at lr
-        1.6e-2, 3 seeds: without it 9.9 % and 2.7 % of the features dead on held-out prompts, with 150 to 200 steps
-        of 1,500 a few %, FVU no worse; benchmarks/transcoder_training.py)."""
+        A short warm-up keeps the first large steps at a high lr from killing features, FVU no worse (the
+        embedded recipe at a tuned lr: benchmarks/transcoder_training.py, its results in benchmarks/README.md)."""
         return min(self.steps // 10, 1000) if self.warmup_steps is None else self.warmup_steps
 
     def replace(self, **changes) -> "TrainingConfig":
