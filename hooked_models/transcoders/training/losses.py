@@ -88,12 +88,18 @@ def auxk_k(d_out: int, dead: int) -> tuple[int, float]:
     return min(k_aux, dead), min(dead / k_aux, 1.0)
 
 
-def auxk_acts(pre: Float[Tensor, "tokens d_transcoder"], dead: Tensor, k_aux: int, layout: Layout
-              ) -> Float[Tensor, "tokens d_transcoder"]:
-    """The k_aux largest dead pre-activations of each token (across shards), through ReLU; others zero."""
-    masked = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
-    kth = layout.kth_largest(masked.detach(), k_aux)
-    return torch.where(dead & (masked >= kth), torch.relu(pre), torch.zeros_like(pre))
+def auxk_acts(pre: Float[Tensor, "tokens d_transcoder"], dead: Tensor, k_aux: int, count: int, layout: Layout
+              ) -> tuple[Float[Tensor, "tokens dead"], Int[Tensor, " dead"]]:
+    """(activations, features): this process's dead features (`count` of them across shards) as columns,
+    each token's k_aux largest dead pre-activations (across shards) through ReLU, the others zero. Only the
+    dead columns are formed (a few of the width, as a rule); where k_aux takes every dead feature (count <=
+    k_aux, the same on every process) no k-th largest is needed."""
+    features = dead.nonzero().flatten()
+    dead_pre = pre[:, features]
+    acts = torch.relu(dead_pre)
+    if count > k_aux:
+        acts = acts * (dead_pre >= layout.kth_largest(dead_pre.detach(), k_aux))
+    return acts, features
 
 
 def l1_penalty(acts: Tensor, decoder_norms: Tensor, tokens: int) -> Tensor:

@@ -69,8 +69,8 @@ def batch_loss(shard: Shard, x: Tensor, y: Tensor, config: TrainingConfig, layou
         loss, fvus = loss + part, [*fvus, part.detach()]
         sources = [s for s in shard.sources(t) if s in aux]
         if sources:  # dead features reconstruct what the live ones leave (no bias: e already holds it)
-            e_hat = layout.sum_partials(sum(aux[s][0] @ shard.dec(s, t) for s in sources))
-            scale = sum(aux[s][1] for s in sources) / len(shard.sources(t))
+            e_hat = layout.sum_partials(sum(aux[s][0] @ shard.dec(s, t)[aux[s][1]] for s in sources))
+            scale = sum(aux[s][2] for s in sources) / len(shard.sources(t))
             aux_loss = aux_loss + scale * fvu(e_hat - error.detach(), variance)
     loss = loss + config.auxk_alpha * aux_loss
     for l in shard.layers:
@@ -90,7 +90,8 @@ def batch_loss(shard: Shard, x: Tensor, y: Tensor, config: TrainingConfig, layou
 
 
 def _auxk_activations(shard: Shard, pre: dict, config: TrainingConfig, layout: Layout) -> dict:
-    """{layer: (the AuxK activations of its dead features, the loss scale)} for layers with dead features."""
+    """{layer: (the AuxK activations of its dead features [tokens dead], those features, the loss scale)} for
+    layers with dead features."""
     if not config.auxk_alpha or config.activation not in ("topk", "batchtopk"):
         return {}
     out = {}
@@ -99,7 +100,7 @@ def _auxk_activations(shard: Shard, pre: dict, config: TrainingConfig, layout: L
         count = int(layout.sum_features(dead.sum()))
         if count:
             k_aux, scale = auxk_k(shard.identity.hidden_size, count)
-            out[l] = (auxk_acts(pre[l], dead, k_aux, layout), scale)
+            out[l] = (*auxk_acts(pre[l], dead, k_aux, count, layout), scale)
     return out
 
 

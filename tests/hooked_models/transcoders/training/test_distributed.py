@@ -72,7 +72,8 @@ def test_feature_sharded_batchtopk_trains_what_one_process_trains(runs):
 
 def test_the_sharded_topk_picks_the_unsharded_features(runs):
     checked = json.loads((runs / "features" / "topk.json").read_text())
-    assert checked == {"topk_equal": True, "batchtopk_equal": True, "batchtopk_kept": 8 * 64, "shard_width": 16}
+    assert checked == {"topk_equal": True, "batchtopk_equal": True, "batchtopk_kept": 8 * 64, "shard_width": 16,
+                       "auxk_equal": True}
 
 
 def test_each_shard_holds_only_its_features(runs):

@@ -107,6 +107,28 @@ def test_auxk_gives_a_planted_dead_feature_a_gradient(group):
     assert float(off.enc(0).grad[:, 5].abs().sum()) == 0
 
 
+def test_auxk_takes_each_tokens_k_aux_largest_dead_features(group):
+    """Six dead features, more than k_aux = d // 2 = 4: each token's 4 largest dead pre-activations (through
+    ReLU) reconstruct the error, the loss at full scale; the live features take no part."""
+    config = TrainingConfig(d_transcoder=8, activation="topk", k=2, auxk_alpha=0.5, dead_tokens=100)
+    shard = untied_shard(config, seed=4)
+    dead = torch.tensor([True, False, True, True, False, True, True, True])
+    shard.since_fired[0][dead] = 100
+    x, y = batch(seed=5)
+    result = batch_loss(shard, x, y, config, shard.layout, 32)
+    with torch.no_grad():
+        pre = x[0] @ shard.enc(0) + shard.b_enc(0)
+        live = torch.zeros_like(pre)
+        top = pre.topk(2, dim=-1)
+        live.scatter_(-1, top.indices, torch.relu(top.values))
+        error = y[0] - (live @ shard.dec(0, 0) + shard.b_dec(0))
+        dead_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+        chosen = torch.zeros_like(pre).scatter_(-1, dead_pre.topk(4, dim=-1).indices, 1) * torch.relu(pre)
+        assert int(((chosen > 0) & ~dead).sum()) == 0 and int((chosen > 0).sum()) > 32  # dead ones, most positive
+        expected = (chosen @ shard.dec(0, 0) - error).pow(2).sum() / (y[0] - y[0].mean(0)).pow(2).sum()
+    torch.testing.assert_close(result.auxk, expected, rtol=1e-5, atol=0)
+
+
 def test_the_dead_window_counts_tokens_not_steps(group):
     """dead_tokens=300: a feature that never fires is alive after 4 batches of 64 tokens (256) and dead
     after 5 (320); with batches of 128 tokens, dead after 3 (384) though fewer steps."""

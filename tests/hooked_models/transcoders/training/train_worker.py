@@ -2,7 +2,7 @@
 embedded Arcee and save each result's tensors to --out/{kind}.safetensors (process 0). --kill-at STEP makes
 process --kill-rank kill itself (SIGKILL, no clean-up) when its progress callable reports that step.
 --check-topk writes --out/topk.json: whether each activation chosen across the processes' feature shards
-is the unsharded one."""
+(TopK, BatchTopK, AuxK's dead features) is the unsharded one."""
 
 import argparse
 import json
@@ -34,7 +34,7 @@ def config(kind: str, layout: str, steps: int) -> TrainingConfig:
 def check_topk(out: Path) -> None:
     """TopK and BatchTopK over two feature shards against the unsharded choice, on the same pre-activations."""
     from hooked_models.transcoders.training.distributed import Layout, process_group
-    from hooked_models.transcoders.training.losses import activate
+    from hooked_models.transcoders.training.losses import activate, auxk_acts
 
     with process_group():
         layout = Layout("features", 32)
@@ -45,10 +45,19 @@ def check_topk(out: Path) -> None:
         topk, batch = layout.gather_features(topk), layout.gather_features(batch)
         kept = torch.relu(pre).flatten().topk(8 * 64).indices
         whole = torch.zeros(64 * 32).index_fill_(0, kept, 1).view(64, 32) * torch.relu(pre)
+        # AuxK over 12 dead features, 9 of them on shard 0 and 3 on shard 1, k_aux = 5: each token's 5
+        # largest dead pre-activations chosen across the shards.
+        dead = torch.zeros(32, dtype=torch.bool)
+        dead[[1, 4, 5, 7, 8, 10, 11, 13, 15, 17, 22, 30]] = True
+        aux, features = auxk_acts(mine, dead[layout.features], 5, 12, layout)
+        aux = layout.gather_features(torch.zeros_like(mine).index_copy_(1, features, aux))
+        dead_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+        chosen = torch.zeros_like(pre).scatter_(1, dead_pre.topk(5, dim=-1).indices, 1) * torch.relu(pre)
         if layout.rank == 0:
             (out / "topk.json").write_text(json.dumps({
                 "topk_equal": torch.equal(topk, topk_relu(pre, 8)), "batchtopk_equal": torch.equal(batch, whole),
-                "batchtopk_kept": int((batch > 0).sum()), "shard_width": mine.shape[1]}))
+                "batchtopk_kept": int((batch > 0).sum()), "shard_width": mine.shape[1],
+                "auxk_equal": torch.equal(aux, chosen)}))
 
 
 def main() -> None:
