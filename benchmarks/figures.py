@@ -881,6 +881,27 @@ def sparsify_targets(f: dict) -> list[tuple[str, bool]]:
              ours["cpu_s_per_1k_tokens"]["mean"] <= theirs["cpu_s_per_1k_tokens"]["mean"])]
 
 
+def sparsify_verdict() -> str:
+    """The guide's sentence: ours at its tuned setting against sparsify's best Adam setting, figure by figure
+    (means over seeds), and which targets are met."""
+    f = sparsify_comparison()
+    ours, theirs = f["summary"][f["our_best"]], f["summary"][f["sparsify_best_adam"]]
+
+    def pair(key: str, digits: int) -> str:
+        if isinstance(ours[key], list):
+            return (" / ".join(f"{v['mean']:.{digits}f}" for v in ours[key]) + " against "
+                    + " / ".join(f"{v['mean']:.{digits}f}" for v in theirs[key]))
+        return f"{ours[key]['mean']:.{digits}f} against {theirs[key]['mean']:.{digits}f}"
+
+    missed = [what for what, met in sparsify_targets(f) if not met]
+    seeds = ", ".join(map(str, ours["seeds"]))
+    return (f"ours at its tuned setting ({f['our_best']}) against sparsify's best Adam setting "
+            f"({f['sparsify_best_adam']}), means over seeds {seeds}: FVU per layer {pair('fvu', 5)}, L0 "
+            f"{pair('l0', 1)}, dead % {pair('dead_pct', 1)}, loss recovered {pair('loss_recovered', 5)}, KL "
+            f"{pair('kl_divergence', 5)}, CPU s per 1k tokens {pair('cpu_s_per_1k_tokens', 4)}; "
+            + ("every target met" if not missed else "not met: " + "; ".join(missed)))
+
+
 def sparsify_table() -> str:
     """benchmarks/README.md's side-by-side with sparsify: one row per sparsify setting and ours (k=16), the
     targets, the k sweep."""
@@ -1043,6 +1064,7 @@ PARTS = {
     "training-buffer": streaming_buffer_sentence,
     "training-plan-harvest": lambda: f"{100e6 * afm_plan()['mlp_io_bytes_per_token']['float32'] / 1e12:.0f} TB",
     "transcoder-training": sparsify_table,
+    "transcoder-training-verdict": sparsify_verdict,
     "which-tool": which_tool_costs,
 }
 

@@ -20,10 +20,10 @@ sparsify (1.3.3, PyPI `eai-sparsify`) is not installed beside this package, so e
 
 sparsify at its best: its learning rate is tuned first, on the first seed (ADAM_LRS, SIGNUM_LRS; `--adam-lr`,
 `--signum-lr` skip it), by held-out FVU alone. Ours is tuned over the same grid on the same seed, at the same L0:
-the lowest FVU among the lrs whose held-out L0 is at least that of sparsify's best on every layer, AuxK at
-OUR_AUXK's weight and window (sparsify is run with them too, and with its own, and keeps its best; the issue
+the lowest FVU among the lrs whose held-out L0 is at least that of sparsify's best on every layer (the issue
 compares FVU "at the same L0": a TopK run whose L0 falls below k, as ours does at high lrs, buys its FVU with
-fewer active features and, here, many dead ones). Then every compared setting (`compared_settings`: the issue's
+fewer active features and, here, many dead ones), with OUR_RECIPE's AuxK weight and window and first-batch
+encoder spread (sparsify runs with that AuxK too, and without, and keeps its best). Then every compared setting (`compared_settings`: the issue's
 Adam at 2e-3 with its default warm-up among them) and ours train with every seed, and the k sweep runs
 sparsify's best setting and ours. A run already made (the same side, setting, seed and k) is reused, not repeated.
 
@@ -71,13 +71,15 @@ SIGNUM_LRS = (2.5e-3, 5e-3, 1e-2, None)  # None: its default
 OUR_LRS = ADAM_LRS  # ours at its best: tuned over the same grid, on the same seed, interleaved with sparsify's
 # AuxK needs a dead threshold the run can reach: its default, 10 M tokens, is longer than the run's 1.5 M. Its
 # loss is the part of the error the dead features could explain, over the output's variance: at this recipe's
-# FVU (about 1e-3, a hundred times below the regime Gao et al. chose 1/32 in) its gradient is that much
-# weaker, so a larger weight is tried too. Ours trains with the larger one (seed trials: dead features on
-# the held-out prompts fell from 2.5 / 3.5 % to 2.0 / 2.6 % over three seeds, FVU no worse); sparsify is run
-# with both and keeps its best.
+# FVU (about 1e-3, far below the errors of the large models Gao et al. chose 1/32 for) its gradient is that
+# much weaker, so a larger weight is tried too. Ours trains with the larger one and with its encoder columns
+# spread alike on the first batch (OUR_RECIPE: in trials on three seeds the two left fewer features dead on the
+# held-out prompts, FVU no worse); sparsify runs without AuxK and with that AuxK (and with 1/32, but for --brief)
+# and keeps its best (it has no first-batch spread).
 AUXK = {"auxk_alpha": 1 / 32, "dead_feature_threshold": 100_000}
 STRONG_AUXK = {"auxk_alpha": 1 / 2, "dead_feature_threshold": 100_000}
-OUR_AUXK = {"auxk_alpha": STRONG_AUXK["auxk_alpha"], "dead_tokens": STRONG_AUXK["dead_feature_threshold"]}
+OUR_RECIPE = {"auxk_alpha": STRONG_AUXK["auxk_alpha"], "dead_tokens": STRONG_AUXK["dead_feature_threshold"],
+              "init_spread": "equal"}
 
 
 def auxk_name(alpha: float, window: int) -> str:
@@ -109,12 +111,12 @@ def compared_settings(adam_lr: float, signum_lr: float | None, brief: bool = Fal
 
 def ours(lr: float, cross_layer: bool = False, default: bool = False) -> tuple[str, dict]:
     """(name, train_ours settings) of our trainer at `lr`: per-layer transcoders, or one cross-layer; with
-    OUR_AUXK unless `default` (TrainingConfig's defaults but for the recipe's and the lr)."""
+    OUR_RECIPE unless `default` (TrainingConfig's defaults but for the recipe's and the lr)."""
     name = ("`train_transcoders`, cross-layer, " if cross_layer else "`train_transcoders`, ") + f"lr {lr:g}"
     if default:
         return name + " (its defaults)", {"lr": lr, "cross_layer": cross_layer}
-    return (name + f", {auxk_name(OUR_AUXK['auxk_alpha'], OUR_AUXK['dead_tokens'])}",
-            {"lr": lr, "cross_layer": cross_layer, **OUR_AUXK})
+    return (name + f", {auxk_name(OUR_RECIPE['auxk_alpha'], OUR_RECIPE['dead_tokens'])}, encoder spread equal",
+            {"lr": lr, "cross_layer": cross_layer, **OUR_RECIPE})
 
 
 def our_settings(lr: float) -> dict[str, dict]:

@@ -33,7 +33,7 @@ FLAGS = {"context_size": "--context-size", "batch_size": "--batch-size", "shard_
          "steps": "--steps", "batch_tokens": "--batch-tokens", "lr": "--lr", "layout": "--layout",
          "streams": "--streams", "buffer_tokens": "--buffer-tokens", "forward_batch": "--forward-batch",
          **{name: "--" + name.replace("_", "-") for name in (
-             "warmup_steps", "decay_fraction", "init", "init_scale", "auxk_alpha", "dead_tokens", "sparsity",
+             "warmup_steps", "decay_fraction", "init", "init_scale", "init_spread", "auxk_alpha", "dead_tokens", "sparsity",
              "penalty", "tanh_scale", "pre_act_loss", "threshold", "bandwidth", "threshold_momentum", "seed",
              "checkpoint_every", "log_every", "checkpoint")}}
 # API words that only ever mean their flag, also without a value (`context_size is needed ...`).
@@ -255,6 +255,9 @@ def _train_command(commands) -> None:
                           "sparsify's; unit_decoder: unit rows, encoder their transpose (default: %(default)s)")
     how.add_argument("--init-scale", type=float, default=0.1,
                      help="decoder rows' norm with --init tied (default: %(default)s)")
+    how.add_argument("--init-spread", choices=("equal", "drawn"), default="drawn",
+                     help="equal: each encoder column scaled on the first batch so that every feature's "
+                          "pre-activations spread as the average feature's do; drawn: as drawn (default: %(default)s)")
     how.add_argument("--seed", type=int, default=0, help="initialization and data order (default: %(default)s)")
 
     losses = train.add_argument_group("losses")

@@ -6,6 +6,7 @@ from hooked_models.transcoders.activation_functions import check_size
 
 TRAINED_ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu")
 INITS = ("tied", "zero_decoder", "unit_decoder")
+SPREADS = ("equal", "drawn")
 PENALTIES = ("tanh", "l0")
 LAYOUTS = ("data", "features")
 
@@ -36,7 +37,10 @@ class TrainingConfig:
     norm `init_scale`), "zero_decoder" (sparsify's transcoder initialization) or "unit_decoder" (this
     package's earlier one: unit decoder rows, the encoder their transpose). In each, the decoder bias starts
     at the first batch's mean output and the encoder bias centres the first batch's pre-activations
-    (b_enc = -mean(x) @ W_enc, as sparsify does).
+    (b_enc = -mean(x) @ W_enc, as sparsify does). init_spread="equal" first scales each feature's encoder column so
+    that its pre-activations spread over the first batch as much as the average feature's do (their standard
+    deviation the mean over the features): a feature whose random direction misses the span the data fills
+    would otherwise seldom enter a TopK, get no gradient and stay dead; "drawn" (default) keeps the columns.
 
     Across processes: `layout="data"` (each process its share of every batch, gradients all-reduced) or
     "features" (each process 1/N of every layer's features; the batch gathered). `streams` fixes how the
@@ -56,6 +60,7 @@ class TrainingConfig:
     decay_fraction: float = 0.2
     init: str = "tied"
     init_scale: float = 0.1
+    init_spread: str = "drawn"
     auxk_alpha: float = 1 / 32
     dead_tokens: int = 1_000_000
     sparsity: float = 1e-3
@@ -92,7 +97,7 @@ class TrainingConfig:
         elif self.k is not None:
             raise ValueError(f"k={self.k!r} is for activation='topk' or 'batchtopk', not {self.activation!r} "
                              "(pass k=None)")
-        for name, allowed in (("init", INITS), ("penalty", PENALTIES), ("layout", LAYOUTS)):
+        for name, allowed in (("init", INITS), ("init_spread", SPREADS), ("penalty", PENALTIES), ("layout", LAYOUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         positive = ("lr", "bandwidth", "tanh_scale", "init_scale")

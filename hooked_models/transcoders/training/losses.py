@@ -29,14 +29,17 @@ def activate(kind: str, pre: Float[Tensor, "tokens d_transcoder"], layout: Layou
         return torch.relu(pre), None
     if kind == "jumprelu":
         return jumprelu(pre, threshold, bandwidth), None
+    # The k-th largest is taken of relu(pre): what is kept is the same (a kept negative is zero either way), and
+    # a row that is mostly zeros is partitioned several times faster (topk of 1,024 x 256 at 2 % positive: 0.8
+    # against 2.7 ms), as a trained TopK's rows are.
     if kind == "topk":
-        kth = layout.kth_largest(pre.detach(), k)
-        return torch.relu(pre) * (pre >= kth), None
+        positive = torch.relu(pre)
+        return positive * (positive.detach() >= layout.kth_largest(positive.detach(), k)), None
     if kind == "batchtopk":
         kept = k * batch_tokens
-        kth = layout.kth_largest(torch.relu(pre.detach()).flatten(), kept, whole_batch=True)
-        acts = torch.relu(pre) * (pre >= kth)
-        return acts, kth.clamp(min=0).reshape(())
+        positive = torch.relu(pre)
+        kth = layout.kth_largest(positive.detach().flatten(), kept, whole_batch=True)
+        return positive * (positive.detach() >= kth), kth.clamp(min=0).reshape(())
     raise ValueError(f"activation {kind!r} is not trained here")
 
 
@@ -56,7 +59,7 @@ class TopKCode:
 def topk_code(pre: Float[Tensor, "tokens d_transcoder"], k: int) -> TopKCode:
     """TopK through ReLU as a code: the k largest pre-activations of each whole row (unsharded: a sharded
     row's k-th is chosen across processes by `activate`). Its gradient reaches only the kept entries."""
-    indices = pre.detach().topk(k, dim=-1, sorted=False).indices
+    indices = torch.relu(pre.detach()).topk(k, dim=-1, sorted=False).indices  # (relu: see `activate`)
     return TopKCode(torch.relu(pre.gather(-1, indices)), indices, pre.shape[-1])
 
 
@@ -95,10 +98,9 @@ def auxk_acts(pre: Float[Tensor, "tokens d_transcoder"], dead: Tensor, k_aux: in
     dead columns are formed (a few of the width, as a rule); where k_aux takes every dead feature (count <=
     k_aux, the same on every process) no k-th largest is needed."""
     features = dead.nonzero().flatten()
-    dead_pre = pre[:, features]
-    acts = torch.relu(dead_pre)
+    acts = torch.relu(pre[:, features])
     if count > k_aux:
-        acts = acts * (dead_pre >= layout.kth_largest(dead_pre.detach(), k_aux))
+        acts = acts * (acts.detach() >= layout.kth_largest(acts.detach(), k_aux))
     return acts, features
 
 

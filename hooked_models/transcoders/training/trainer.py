@@ -165,7 +165,7 @@ def _train(shard: Shard, stream, job: dict, config: TrainingConfig, layout: Layo
             x, y = stream.batch()
             x, y = layout.gather_tokens(x.to(layout.device)), layout.gather_tokens(y.to(layout.device))
             if step == 0:
-                _centre_biases(shard, x, y, layout, tokens)
+                first_batch_init(shard, x, y, layout, tokens)
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * lr_factor(step, config)
             result = batch_loss(shard, x, y, config, layout, tokens)
@@ -210,12 +210,20 @@ def _cancelled(bar, layout: Layout) -> bool:
 
 
 @torch.no_grad()
-def _centre_biases(shard: Shard, x, y, layout: Layout, tokens: int) -> None:
-    """The decoder bias at the first batch's mean output, the encoder bias centring its pre-activations
-    (b_enc = -mean(x) @ W_enc: sparsify's, equivalent to Anthropic's subtracting the decoder bias)."""
+def first_batch_init(shard: Shard, x, y, layout: Layout, tokens: int) -> None:
+    """What the first batch sets (`tokens` of them, across the processes): with init_spread="equal", each
+    encoder column scaled so that its centred pre-activations' standard deviation is the mean over every
+    feature (of every shard); then the decoder bias at the batch's mean output and the encoder bias centring
+    its pre-activations (b_enc = -mean(x) @ W_enc: sparsify's, equivalent to Anthropic's subtracting the
+    decoder bias). Sums in float64."""
     for i, l in enumerate(shard.layers):
         mean_x = layout.sum_tokens(x[i].double().sum(0)) / tokens
         mean_y = layout.sum_tokens(y[i].double().sum(0)) / tokens
+        if shard.config.init_spread == "equal":
+            enc = shard.enc(l)
+            spread = layout.sum_tokens(((x[i].double() - mean_x) @ enc.double()).pow(2).sum(0)).div(tokens).sqrt()
+            mean = layout.sum_features(spread.sum()) / shard.config.d_transcoder
+            enc.mul_((mean / spread.clamp(min=1e-30)).to(enc.dtype))
         shard.b_dec(l).copy_(mean_y)
         shard.b_enc(l).copy_(-(mean_x.to(x.dtype) @ shard.enc(l)))
 

@@ -122,7 +122,7 @@ def test_streaming_in_the_datas_order_equals_the_harvest_of_the_same_rows(arcee,
     from hooked_models.transcoders.training.distributed import Layout, process_group
     from hooked_models.transcoders.training.objective import batch_loss
     from hooked_models.transcoders.training.state import Shard
-    from hooked_models.transcoders.training.trainer import _centre_biases, lr_factor
+    from hooked_models.transcoders.training.trainer import first_batch_init, lr_factor
 
     # The same four steps by hand, batches cut from one run_with_cache of the rows in order.
     _, cache = arcee.run_with_cache(tokens, names_filter=mlp_names(arcee))
@@ -135,7 +135,7 @@ def test_streaming_in_the_datas_order_equals_the_harvest_of_the_same_rows(arcee,
         for step in range(4):
             x, y = xs[:, step * 256:(step + 1) * 256], ys[:, step * 256:(step + 1) * 256]
             if step == 0:
-                _centre_biases(shard, x, y, layout, 256)
+                first_batch_init(shard, x, y, layout, 256)
             optimizer.param_groups[0]["lr"] = config.lr * lr_factor(step, config)
             optimizer.zero_grad()
             batch_loss(shard, x, y, config, layout, 256).loss.backward()
@@ -245,3 +245,34 @@ def test_a_cancelled_run_stops_at_a_step_and_its_rerun_resumes(arcee, tmp_path):
     resumed = train_transcoders(arcee, dataset=tokens, config=config, checkpoint=tmp_path / "ckpt", progress=False)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_first_batch_spreads_every_feature_alike_and_centres_the_biases():
+    """init_spread="equal": on the first batch, every feature's centred pre-activations have the standard
+    deviation the mean feature's had (the columns' directions kept), the encoder bias centres them and the
+    decoder bias is the mean output; "drawn" scales nothing. Inputs of very unequal variance per direction, so
+    that the drawn spreads differ several-fold."""
+    from hooked_models.transcoders.training.distributed import Layout, process_group
+    from hooked_models.transcoders.training.state import Shard
+    from hooked_models.transcoders.training.trainer import first_batch_init
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(1, 512, 8, generator=g) * torch.logspace(-2, 0.5, 8)) + 0.3
+    y = torch.randn(1, 512, 8, generator=g) - 0.4
+    with process_group():
+        for spread in ("equal", "drawn"):
+            config = TrainingConfig(d_transcoder=16, activation="topk", k=2, init_spread=spread)
+            shard = Shard(ModelIdentity("arcee", 8, 1), config, Layout("data", 16))
+            drawn = shard.enc(0).detach().clone()
+            before = ((x[0] - x[0].mean(0)).double() @ drawn.double()).std(0, correction=0)
+            assert float(before.max() / before.min()) > 3
+            first_batch_init(shard, x, y, shard.layout, 512)
+            enc = shard.enc(0).detach()
+            pre = x[0].double() @ enc.double() + shard.b_enc(0).detach().double()
+            torch.testing.assert_close(pre.mean(0), torch.zeros(16, dtype=torch.float64), rtol=0, atol=1e-6)
+            torch.testing.assert_close(shard.b_dec(0).detach(), y[0].mean(0), rtol=1e-6, atol=1e-7)
+            if spread == "drawn":
+                assert torch.equal(enc, drawn)
+                continue
+            torch.testing.assert_close(pre.std(0, correction=0), before.mean().expand(16), rtol=1e-5, atol=0)
+            torch.testing.assert_close(enc / enc.norm(dim=0), drawn / drawn.norm(dim=0), rtol=1e-5, atol=1e-7)

@@ -18,7 +18,7 @@ from hooked_models.families import load_model
 from hooked_models.transcoders import TrainingConfig, topk_relu, train_transcoders
 
 CONFIGS = {
-    "topk": dict(activation="topk", k=8, auxk_alpha=1 / 32, dead_tokens=256),
+    "topk": dict(activation="topk", k=8, auxk_alpha=1 / 32, dead_tokens=256, init_spread="equal"),
     "batchtopk": dict(activation="batchtopk", k=8, skip=True),
     "jumprelu": dict(activation="jumprelu", sparsity=1e-2, pre_act_loss=1e-3),
     "clt": dict(activation="topk", k=8, cross_layer=True, skip=True),
