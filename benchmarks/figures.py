@@ -893,13 +893,22 @@ def sparsify_verdict() -> str:
                     + " / ".join(f"{v['mean']:.{digits}f}" for v in theirs[key]))
         return f"{ours[key]['mean']:.{digits}f} against {theirs[key]['mean']:.{digits}f}"
 
+    def close(key: str, name: str) -> list[str]:  # the figures whose means differ by less than either's sd
+        pairs = zip(ours[key], theirs[key]) if isinstance(ours[key], list) else [(ours[key], theirs[key])]
+        found = [(l, o, t) for l, (o, t) in enumerate(pairs)
+                 if abs(o["mean"] - t["mean"]) < max(o["sd"] or 0, t["sd"] or 0)]
+        return [name + (f", layer {l}" if isinstance(ours[key], list) else "") for l, o, t in found]
+
     missed = [what for what, met in sparsify_targets(f) if not met]
+    near = [*close("fvu", "FVU"), *close("dead_pct", "dead %"), *close("loss_recovered", "loss recovered"),
+            *close("cpu_s_per_1k_tokens", "CPU time")]
     seeds = ", ".join(map(str, ours["seeds"]))
     return (f"ours at its tuned setting ({f['our_best']}) against sparsify's best Adam setting "
-            f"({f['sparsify_best_adam']}), means over seeds {seeds}: FVU per layer {pair('fvu', 5)}, L0 "
+            f"({f['sparsify_best_adam']}), means over seeds {seeds}: FVU per layer {pair('fvu', 6)}, L0 "
             f"{pair('l0', 1)}, dead % {pair('dead_pct', 1)}, loss recovered {pair('loss_recovered', 5)}, KL "
             f"{pair('kl_divergence', 5)}, CPU s per 1k tokens {pair('cpu_s_per_1k_tokens', 4)}; "
-            + ("every target met" if not missed else "not met: " + "; ".join(missed)))
+            + ("every target met" if not missed else "not met: " + "; ".join(missed))
+            + (f" ({', '.join(near)}: the two means closer than either side's sd over the seeds)" if near else ""))
 
 
 def sparsify_table() -> str:

@@ -76,6 +76,15 @@ def test_a_wide_topk_decoded_sparsely_equals_the_dense_hand_computation(group, m
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
 
 
+def top2_error(shard: Shard, x, y) -> tuple:
+    """By hand: the pre-activations of a one-layer TopK (k=2) shard and the error its live features leave."""
+    pre = x[0] @ shard.enc(0) + shard.b_enc(0)
+    live = torch.zeros_like(pre)
+    top = pre.topk(2, dim=-1)
+    live.scatter_(-1, top.indices, torch.relu(top.values))
+    return pre, y[0] - (live @ shard.dec(0, 0) + shard.b_dec(0))
+
+
 def test_auxk_gives_a_planted_dead_feature_a_gradient(group):
     config = TrainingConfig(d_transcoder=8, activation="topk", k=2, auxk_alpha=0.5, dead_tokens=100)
     shard = untied_shard(config)
@@ -89,11 +98,7 @@ def test_auxk_gives_a_planted_dead_feature_a_gradient(group):
     assert float(shard.enc(0).grad[:, 5].abs().sum()) > 0 and float(shard.dec(0, 0).grad[5].abs().sum()) > 0
     # The AuxK loss by hand: k_aux = min(d // 2, dead) = 1, scale min(dead / (d // 2), 1) = 1/4.
     with torch.no_grad():
-        pre = x[0] @ shard.enc(0) + shard.b_enc(0)
-        live = torch.zeros_like(pre)
-        top = pre.topk(2, dim=-1)
-        live.scatter_(-1, top.indices, torch.relu(top.values))
-        error = y[0] - (live @ shard.dec(0, 0) + shard.b_dec(0))
+        pre, error = top2_error(shard, x, y)
         e_hat = torch.relu(pre[:, 5:6]) @ shard.dec(0, 0)[5:6]
         expected = 0.25 * (e_hat - error).pow(2).sum() / (y[0] - y[0].mean(0)).pow(2).sum()
     torch.testing.assert_close(result.auxk, expected, rtol=1e-5, atol=0)
@@ -117,11 +122,7 @@ def test_auxk_takes_each_tokens_k_aux_largest_dead_features(group):
     x, y = batch(seed=5)
     result = batch_loss(shard, x, y, config, shard.layout, 32)
     with torch.no_grad():
-        pre = x[0] @ shard.enc(0) + shard.b_enc(0)
-        live = torch.zeros_like(pre)
-        top = pre.topk(2, dim=-1)
-        live.scatter_(-1, top.indices, torch.relu(top.values))
-        error = y[0] - (live @ shard.dec(0, 0) + shard.b_dec(0))
+        pre, error = top2_error(shard, x, y)
         dead_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
         chosen = torch.zeros_like(pre).scatter_(-1, dead_pre.topk(4, dim=-1).indices, 1) * torch.relu(pre)
         assert int(((chosen > 0) & ~dead).sum()) == 0 and int((chosen > 0).sum()) > 32  # dead ones, most positive
@@ -212,6 +213,7 @@ def test_the_default_warm_up_is_a_tenth_of_the_steps_at_most_a_thousand(steps, w
     (dict(activation="gelu"), r"activation='gelu' must be one of relu, topk, batchtopk, jumprelu"),
     (dict(layout="model"), r"layout='model' must be one of data, features"),
     (dict(init="xavier"), r"init='xavier' must be one of tied, zero_decoder, unit_decoder"),
+    (dict(init_spread="wide"), r"init_spread='wide' must be one of equal, drawn"),
     (dict(dead_tokens=0), r"dead_tokens=0 must be a positive integer"),
     (dict(lr=0.0), r"lr=0.0 must be a positive number"),
     (dict(warmup_steps=-1), r"warmup_steps=-1 must be a non-negative integer"),
