@@ -23,8 +23,8 @@ sparsify at its best: its learning rate is tuned first, on the first seed (ADAM_
 the lowest FVU among the lrs whose held-out L0 is at least that of sparsify's best on every layer (the issue
 compares FVU "at the same L0": a TopK run whose L0 falls below k, as ours does at high lrs, buys its FVU with
 fewer active features and, here, many dead ones), with OUR_RECIPE's AuxK weight and window and first-batch
-encoder spread (sparsify runs with that AuxK too, and without, and keeps its best). Then every compared setting (`compared_settings`: the issue's
-Adam at 2e-3 with its default warm-up among them) and ours train with every seed, and the k sweep runs
+encoder spread (sparsify runs with that AuxK too, and without, and keeps its best). Then every compared setting
+(`compared_settings`: the issue's Adam at 2e-3 with its default warm-up among them) and ours train with every seed, and the k sweep runs
 sparsify's best setting and ours. A run already made (the same side, setting, seed and k) is reused, not repeated.
 
 The recipe (issue 31): transcoders of `layers.{0,1}.mlp` (sparsify's hookpoints: the module's input and

@@ -33,9 +33,9 @@ FLAGS = {"context_size": "--context-size", "batch_size": "--batch-size", "shard_
          "steps": "--steps", "batch_tokens": "--batch-tokens", "lr": "--lr", "layout": "--layout",
          "streams": "--streams", "buffer_tokens": "--buffer-tokens", "forward_batch": "--forward-batch",
          **{name: "--" + name.replace("_", "-") for name in (
-             "warmup_steps", "decay_fraction", "init", "init_scale", "init_spread", "auxk_alpha", "dead_tokens", "sparsity",
-             "penalty", "tanh_scale", "pre_act_loss", "threshold", "bandwidth", "threshold_momentum", "seed",
-             "checkpoint_every", "log_every", "checkpoint")}}
+             "warmup_steps", "decay_fraction", "init", "init_scale", "init_spread", "auxk_alpha", "dead_tokens",
+             "sparsity", "penalty", "tanh_scale", "pre_act_loss", "threshold", "bandwidth", "threshold_momentum",
+             "seed", "checkpoint_every", "log_every", "checkpoint")}}
 # API words that only ever mean their flag, also without a value (`context_size is needed ...`).
 _BARE = ("context_size", "batch_size", "shard_size", "num_workers", "chunk_size", "batch_tokens", "d_transcoder")
 # name=value, the value quoted, a tuple or list (`layers=(0, 5)` -> `--layers 0 5`) or one word.

@@ -34,7 +34,8 @@ def activate(kind: str, pre: Float[Tensor, "tokens d_transcoder"], layout: Layou
     # against 2.7 ms), as a trained TopK's rows are.
     if kind == "topk":
         positive = torch.relu(pre)
-        return positive * (positive.detach() >= layout.kth_largest(positive.detach(), k)), None
+        values = positive.detach()
+        return positive * (values >= layout.kth_largest(values, k)), None
     if kind == "batchtopk":
         kept = k * batch_tokens
         positive = torch.relu(pre)

@@ -217,11 +217,12 @@ def first_batch_init(shard: Shard, x, y, layout: Layout, tokens: int) -> None:
     its pre-activations (b_enc = -mean(x) @ W_enc: sparsify's, equivalent to Anthropic's subtracting the
     decoder bias). Sums in float64."""
     for i, l in enumerate(shard.layers):
-        mean_x = layout.sum_tokens(x[i].double().sum(0)) / tokens
+        x64 = x[i].double()
+        mean_x = layout.sum_tokens(x64.sum(0)) / tokens
         mean_y = layout.sum_tokens(y[i].double().sum(0)) / tokens
         if shard.config.init_spread == "equal":
             enc = shard.enc(l)
-            spread = layout.sum_tokens(((x[i].double() - mean_x) @ enc.double()).pow(2).sum(0)).div(tokens).sqrt()
+            spread = layout.sum_tokens(((x64 - mean_x) @ enc.double()).pow(2).sum(0)).div(tokens).sqrt()
             mean = layout.sum_features(spread.sum()) / shard.config.d_transcoder
             enc.mul_((mean / spread.clamp(min=1e-30)).to(enc.dtype))
         shard.b_dec(l).copy_(mean_y)

@@ -27,14 +27,15 @@ def parse(*flags):
 # A value for each field, none its default, and the flags that give it.
 EVERY_FIELD = dict(
     d_transcoder=48, activation="batchtopk", k=6, skip=True, cross_layer=False, layers=(0, 1), steps=7,
-    batch_tokens=96, lr=1e-3, warmup_steps=3, decay_fraction=0.5, init="zero_decoder", init_scale=0.2, init_spread="equal",
-    auxk_alpha=0.25, dead_tokens=500, sparsity=2e-3, penalty="l0", tanh_scale=3.0, pre_act_loss=1e-4,
+    batch_tokens=96, lr=1e-3, warmup_steps=3, decay_fraction=0.5, init="zero_decoder", init_scale=0.2,
+    init_spread="equal", auxk_alpha=0.25, dead_tokens=500, sparsity=2e-3, penalty="l0", tanh_scale=3.0,
+    pre_act_loss=1e-4,
     threshold=0.02, bandwidth=0.1, threshold_momentum=0.05, buffer_tokens=960, forward_batch=4, layout="features",
     streams=4, seed=9, checkpoint_every=5, log_every=3)
 EVERY_FLAG = ["--width", "48", "--activation", "batchtopk", "--k", "6", "--skip", "--layers", "1", "0", "--steps", "7",
               "--batch-tokens", "96", "--lr", "1e-3", "--warmup-steps", "3", "--decay-fraction", "0.5", "--init",
-              "zero_decoder", "--init-scale", "0.2", "--init-spread", "equal", "--auxk-alpha", "0.25", "--dead-tokens", "500", "--sparsity",
-              "2e-3", "--penalty", "l0", "--tanh-scale", "3", "--pre-act-loss", "1e-4", "--threshold", "0.02",
+              "zero_decoder", "--init-scale", "0.2", "--init-spread", "equal", "--auxk-alpha", "0.25", "--dead-tokens",
+              "500", "--sparsity", "2e-3", "--penalty", "l0", "--tanh-scale", "3", "--pre-act-loss", "1e-4", "--threshold", "0.02",
               "--bandwidth", "0.1", "--threshold-momentum", "0.05", "--buffer-tokens", "960", "--forward-batch",
               "4", "--layout", "features", "--streams", "4", "--seed", "9", "--checkpoint-every", "5",
               "--log-every", "3"]
