@@ -175,16 +175,20 @@ class AttributionGraph:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}={value} must be between 0 and 1")
         weights = self.logit_weights()
-        node_influence = influence_series(normalized_abs(self.adjacency_matrix), weights)
+        # Two [node node] buffers in all (the pruning was the largest part of a small graph's memory
+        # and, in fresh pages, of its time): |adjacency|, masked in place, and the normalized rows.
+        magnitude = self.adjacency_matrix.abs()
+        normalized = magnitude / _row_sums(magnitude)
+        node_influence = influence_series(normalized, weights)
         node_mask = node_influence >= top_threshold(node_influence, node_threshold)
         node_mask[self.embedding_start:] = True
-        kept = self.adjacency_matrix.clone()
-        kept[~node_mask] = 0
-        kept[:, ~node_mask] = 0
-        normalized = normalized_abs(kept)
-        edge_scores = normalized * (influence_series(normalized, weights) + weights)[:, None]
+        magnitude[~node_mask] = 0  # |the kept nodes' edges|
+        magnitude[:, ~node_mask] = 0
+        torch.div(magnitude, _row_sums(magnitude), out=normalized)  # normalized_abs of the kept edges, bit for bit
+        edge_scores = normalized.mul_((influence_series(normalized, weights) + weights)[:, None])
         edge_mask = edge_scores >= top_threshold(edge_scores.flatten(), edge_threshold)
-        edge_mask &= kept != 0
+        edge_mask &= magnitude != 0
+        del normalized, edge_scores, magnitude
         while True:
             before = node_mask.clone()
             edge_mask[~node_mask] = False
@@ -260,7 +264,11 @@ class AttributionGraph:
 def normalized_abs(matrix: Tensor) -> Tensor:
     """abs(matrix), each row scaled to sum 1 (rows of zeros stay zero)."""
     matrix = matrix.abs()
-    return matrix / matrix.sum(1, keepdim=True).clamp(min=1e-10)
+    return matrix / _row_sums(matrix)
+
+
+def _row_sums(magnitude: Tensor) -> Tensor:
+    return magnitude.sum(1, keepdim=True).clamp(min=1e-10)
 
 
 def influence_series(normalized: Tensor, weights: Tensor) -> Tensor:
@@ -276,9 +284,17 @@ def influence_series(normalized: Tensor, weights: Tensor) -> Tensor:
 
 
 def top_threshold(scores: Tensor, fraction: float) -> Tensor:
-    """The smallest score among the highest ones that together make `fraction` of the total."""
-    ordered = scores.sort(descending=True).values
-    cumulative = ordered.cumsum(0) / ordered.sum().clamp(min=1e-30)
-    return ordered[min(int(torch.searchsorted(cumulative, fraction)), len(ordered) - 1)]
-
-
+    """The smallest score among the highest ones that together make `fraction` of the total (scores >= 0):
+    circuit-tracer's `find_threshold`, bit for bit, with only the nonzero scores sorted. Its descending
+    order puts the zeros last, where they change neither the running sum (a sequential scan) before them
+    nor, written out as zeros, the total; a pruned graph's edge scores are mostly zeros."""
+    positive = scores[scores > 0].sort(descending=True).values
+    if not len(positive):
+        return scores.new_zeros(())
+    ordered = torch.zeros_like(scores)
+    ordered[:len(positive)] = positive
+    cumulative = positive.cumsum(0) / ordered.sum().clamp(min=1e-30)  # the total over every score, as theirs
+    index = int(torch.searchsorted(cumulative, fraction))
+    # Past the positive scores the running sum stays at its last value: `fraction` not reached there
+    # is reached nowhere, and their index (the last) reads a zero, if there is one.
+    return positive[index] if index < len(positive) else ordered[-1]

@@ -310,6 +310,32 @@ def test_prune_keeps_what_circuit_tracers_rules_keep(hand_built, node_threshold,
     assert torch.equal(without, node_mask) != inputs_rule_bites
 
 
+def find_threshold_by_definition(scores, fraction):
+    """circuit-tracer's `find_threshold`, written out: every score sorted, zeros included."""
+    ordered = scores.sort(descending=True).values
+    cumulative = ordered.cumsum(0) / ordered.sum()
+    return ordered[min(int(torch.searchsorted(cumulative, fraction)), len(ordered) - 1)]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.98, 1.0])
+@pytest.mark.parametrize("zeros", [0, 1, 900])
+def test_top_threshold_sorts_only_the_nonzero_scores_and_is_circuit_tracers_threshold(fraction, zeros):
+    """`top_threshold` leaves the zeros out of its sort: the same threshold bit for bit, with none, one
+    or most of the scores zero, and ties; at fraction 1.0 the running sum can stop short of 1 (rounding),
+    where the threshold is the last score, a zero when there is one (every edge then reaches it)."""
+    from hooked_models.attribution.graph import top_threshold
+
+    generator = torch.Generator().manual_seed(zeros)
+    scores = torch.exp(3 * torch.randn(100, generator=generator))
+    scores[::7] = scores[3]  # ties
+    scores = torch.cat([scores, torch.zeros(zeros)])[torch.randperm(100 + zeros, generator=generator)]
+    expected = find_threshold_by_definition(scores, fraction)
+    assert torch.equal(top_threshold(scores, fraction), expected)
+    assert float(top_threshold(torch.zeros(5), fraction)) == 0.0  # no score above zero: the threshold is zero
+    short = scores.clone()  # a fraction past the running sum's end: the last score
+    assert torch.equal(top_threshold(short, 1.5), find_threshold_by_definition(short, 1.5))
+
+
 # The side half: circuit-tracer's own prune_graph and compute_graph_scores on the same adjacency (its Graph
 # read through the attributes they use; imports nothing of hooked_models).
 SIDE_SCRIPT = textwrap.dedent("""
