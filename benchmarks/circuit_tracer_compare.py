@@ -377,7 +377,7 @@ def main() -> None:
     parser.add_argument("--cases", type=int, nargs="+", default=None,
                         help="indices into CASES (default: all): " + "; ".join(
                             f"{i}: {c.model} {c.tokens} tokens" for i, c in enumerate(CASES)))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16, 64, 128],
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16, 64, 128, 256],
                         help="targets per backward pass, swept on both sides (default: %(default)s)")
     parser.add_argument("--desired-logit-prob", type=float, default=0.99999,
                         help="both sides' logit cover (default: %(default)s: ten logits on the confident "

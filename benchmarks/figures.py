@@ -477,13 +477,32 @@ def circuit_tracer_table() -> str:
     fewer = "; ".join(f"{', '.join(map(str, sizes))} only on the {label.split(' (')[0]} at {tokens} tokens"
                       for (label, tokens), sizes in swept.items() if sizes != sorted(f["batch_sizes"]))
     fewer = f" ({fewer})" if fewer else ""
-    return "\n".join(lines + ["", f"Measured {r['date'][:10]}, load average {min(loads):.1f}-{max(loads):.1f} on "
+    dates = sorted({run["date"][:10] for run in f.get("runs", []) if "date" in run}) or [r["date"][:10]]
+    return "\n".join(lines + ["", f"Measured {' and '.join(dates)} (which cases when: `figures.runs`), load average {min(loads):.1f}-{max(loads):.1f} on "
                                    f"{r['machine']['cores']} cores (each case's before and after in the results file); "
                                    f"circuit-tracer {versions['circuit-tracer']}, nnsight {versions['nnsight']}, "
                                    f"transformers {versions['transformers']}; torch threads: {threads}; batch sizes "
                                    f"{', '.join(map(str, f['batch_sizes']))} on both sides{fewer}, interleaved {f['interleaving']}; "
                                    f"median CPU time of {f['rounds']} calls, each after an untimed gc.collect(); "
                                    f"the logits covering {f['desired_logit_prob']} of the probability, at most 10."])
+
+
+def attribution_floor_table() -> str:
+    """The backward-bound rows of the circuit-tracer comparison: the products each needs at least, ours and
+    circuit-tracer's, and the least time those products take at this machine's best matmul rate, beside a
+    third of circuit-tracer's time (the 3x target) and ours."""
+    r, compared = load("attribution_floor"), load("circuit_tracer_compare")["figures"]["cases"]
+    lines = ["| model | tokens | rows | products (G multiply-adds): floor, ours, every target over the whole prompt | best `torch.mm` "
+             "rate | the floor's products at it | circuit-tracer / 3 | hooked_models |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in r["figures"]["cases"]:
+        case = next(c for c in compared if (c["label"], c["tokens"], c["max_feature_nodes"], c["head_loadings"])
+                    == (row["label"], row["tokens"], row["max_feature_nodes"], False))
+        lines.append(f"| {row['label']} | {row['tokens']} | {row['rows']:,} | {row['floor_macs'] / 1e9:.1f}, "
+                     f"{row['ours_macs'] / 1e9:.1f}, {row['full_macs'] / 1e9:.1f} | {row['peak_gflops']:.0f} GFLOP/s | "
+                     f"{ms(row['floor_s_at_peak'])} | {ms(case['circuit_tracer']['cpu_s'] / 3)} | "
+                     f"{ms(case['hooked_models']['cpu_s'])} |")
+    return "\n".join(lines + ["", f"Counted and measured {when(r)}; one thread (`python benchmarks/attribution_floor.py`)."])
 
 
 def circuit_tracer_sentence() -> str:
@@ -1061,6 +1080,7 @@ PARTS = {
     "transcoders": transcoder_training_text,
     "transcoders-memory": transcoder_memory,
     "circuit-tracer-sentence": circuit_tracer_sentence,
+    "attribution-floor": attribution_floor_table,
     "attribution-files": attribution_files_table,
     "attribution-scale": attribution_scale_table,
     "attribution-alpha-er": lambda: attribution_scale_table("attribution_alpha_er"),

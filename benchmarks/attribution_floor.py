@@ -1,0 +1,133 @@
+"""The matrix products an attribution graph's backward passes cannot avoid, counted, against what this
+machine's single-thread matrix products deliver: a lower bound on any implementation's time for the
+backward-bound rows of the circuit-tracer comparison (benchmarks/circuit_tracer_compare.py), beside what
+ours runs.
+
+    python benchmarks/attribution_floor.py      # writes benchmarks/results/attribution_floor.json
+
+A row of the graph is one target's direction carried back through the frozen replacement model to every
+source (circuit-tracer's method and ours). Per position it passes, an attention layer costs its output and
+value projections' products (hidden x heads·head_dim + hidden x kv_heads·head_dim multiply-adds), a layer's
+transcoder skip connection hidden x hidden, and the dot products with the sources' writes hidden each. A
+target at layer L and position p reads nothing after p (causal attention) and nothing above its layer: its
+row needs (p + 1) positions of L + 1 attention layers and L skips, the **floor** counted here (a logit: every
+layer, plus the unembedding at its position). circuit-tracer runs every target over the whole prompt
+(`full`); ours over the chunk's prefix and up to the chunk's highest layer (`ours`, counted from the
+chunks `attribute` ran). The floor's time at the best measured rate of `torch.mm` (one thread; [M hidden] x
+[hidden hidden], M from 64 to 512) is what the products alone take, before any other cost.
+
+The cases are the comparison's random and held-out ones (the embedded Arcee's rows are not backward-bound),
+the same models, transcoders, prompts and feature budgets (batch 16), built as its driver builds them.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.circuit_tracer_compare import CASES, PROMPT, continued, jumprelu_transcoders, random_arcee  # noqa: E402
+from benchmarks.common import Results  # noqa: E402
+
+
+def per_position(cfg, transcoders) -> tuple[int, int]:
+    """(an attention layer's products, a skip connection's) per position, in multiply-adds."""
+    attention = cfg.hidden_size * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    return attention, (transcoders.d_in * transcoders.d_out if transcoders.has_skip else 0)
+
+
+def row_products(cfg, transcoders, layer: int | None, positions: int, n_sources: int) -> int:
+    """A row's products over `positions` positions: layer None is a logit (every layer and the unembedding)."""
+    attention, skip = per_position(cfg, transcoders)
+    if layer is None:
+        return positions * cfg.num_layers * (attention + skip) + cfg.vocab_size * cfg.hidden_size
+    return positions * ((layer + 1) * attention + layer * skip) + n_sources * cfg.hidden_size
+
+
+def matmul_rate(hidden: int, repeats: int = 20) -> dict:
+    """The median GFLOP/s of [M hidden] x [hidden hidden] at each M, one thread."""
+    rates = {}
+    weight = torch.randn(hidden, hidden)
+    for m in (64, 128, 256, 512):
+        x = torch.randn(m, hidden)
+        torch.mm(x, weight)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(x, weight)
+            times.append(time.perf_counter() - start)
+        rates[m] = 2 * m * hidden * hidden / statistics.median(times) / 1e9
+    return rates
+
+
+def count(case, model, transcoders, tokens) -> dict:
+    """The case's graph built once (batch 16), its rows' floor and full-prompt products, and ours as run."""
+    from hooked_models.attribution import attribute
+
+    module = sys.modules["hooked_models.attribution.attribute"]
+    chunks, run = [], module.target_rows
+
+    def counted(replica, targets):
+        layers = [t.layer for t in targets]
+        chunks.append((replica.length, None if None in layers else max(layers), len(targets)))
+        return run(replica, targets)
+
+    module.target_rows = counted
+    try:
+        graph = attribute(model, tokens, transcoders, batch_size=16, max_feature_nodes=case.max_feature_nodes,
+                          desired_logit_prob=0.99999, head_loadings=False)
+    finally:
+        module.target_rows = run
+    cfg, seq = model.cfg, tokens.shape[-1]
+    n_sources = graph.n_features + graph.n_layers * seq + seq
+    floor = full = 0
+    for layer, pos, _ in graph.active_features.tolist():
+        floor += row_products(cfg, transcoders, layer, pos + 1, n_sources)
+        full += row_products(cfg, transcoders, layer, seq, n_sources)
+    logits = len(graph.logit_tokens) * row_products(cfg, transcoders, None, seq, n_sources)
+    ours = sum(n * row_products(cfg, transcoders, layer, length, n_sources) for length, layer, n in chunks)
+    return {"label": case.label, "tokens": seq, "max_feature_nodes": case.max_feature_nodes,
+            "rows": graph.n_features + len(graph.logit_tokens), "floor_macs": floor + logits,
+            "full_macs": full + logits, "ours_macs": ours, "chunks": len(chunks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from hooked_models import HookedArcee
+    from hooked_models.families import load_model
+
+    results = Results("attribution_floor")
+    embedded = load_model("embedded", family="arcee")
+    rows, rates = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, case in enumerate(CASES):
+            if case.model == "embedded":
+                continue
+            checkpoint = Path(tmp) / f"model-{case.model}"
+            if not checkpoint.exists():
+                random_arcee(checkpoint, embedded.tokenizer, args.seed, shape=case.model)
+            model = HookedArcee.from_pretrained(checkpoint).eval()
+            transcoders = jumprelu_transcoders(model, case.d_transcoder, args.seed, case.threshold)
+            tokens = continued(embedded.to_tokens(PROMPT), case.tokens, len(embedded.tokenizer), args.seed)[0]
+            if model.cfg.hidden_size not in rates:
+                rates[model.cfg.hidden_size] = matmul_rate(model.cfg.hidden_size)
+            row = {"case": index, **count(case, model, transcoders, tokens),
+                   "peak_gflops": max(rates[model.cfg.hidden_size].values())}
+            row["floor_s_at_peak"] = 2 * row["floor_macs"] / row["peak_gflops"] / 1e9
+            rows.append(row)
+            print(row, flush=True)
+    path = results.save({"cases": rows, "matmul_gflops": {str(h): {str(m): r for m, r in by.items()}
+                                                           for h, by in rates.items()}})
+    print(f"results written to {path}")
+
+
+if __name__ == "__main__":
+    main()
