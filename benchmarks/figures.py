@@ -488,9 +488,9 @@ def circuit_tracer_table() -> str:
 
 
 def attribution_floor_table() -> str:
-    """The backward-bound rows of the circuit-tracer comparison: the products each needs at least, ours and
-    circuit-tracer's, and the least time those products take at this machine's best matmul rate, beside a
-    third of circuit-tracer's time (the 3x target) and ours."""
+    """The backward-bound rows of the circuit-tracer comparison: the products each needs at least (the floor),
+    ours, and every target's over the whole prompt; the floor's time at this machine's best matmul rate,
+    beside a third of circuit-tracer's time (the 3x target) and ours."""
     r, compared = load("attribution_floor"), load("circuit_tracer_compare")["figures"]["cases"]
     lines = ["| model | tokens | rows | products (G multiply-adds): floor, ours, every target over the whole prompt | best `torch.mm` "
              "rate | the floor's products at it | circuit-tracer / 3 | hooked_models |",
