@@ -212,10 +212,11 @@ class Replica:
             for p in params:
                 p.requires_grad_(True)
 
-    def columns(self, grad_inputs: dict, grad_logits: Tensor | None) -> Tensor:
+    def columns(self, grad_inputs: dict, grad_logits: Tensor | None, out: Tensor | None = None) -> Tensor:
         """Rows of the adjacency for the targets whose input directions are given: `grad_inputs[l]`
         [batch seq d_in] at transcoder l's input, `grad_logits` [batch seq vocab] at the logits.
-        Columns: features, errors, embeddings (logits, which write nothing, are left out)."""
+        Columns: features, errors, embeddings (logits, which write nothing, are left out). `out`: a block
+        of zeros [batch >= sources] the rows are written into (its first columns returned), else new."""
         outputs = [self.reads[l] for l in grad_inputs] + ([self.logits] if grad_logits is not None else [])
         grads_out = [g.to(o.dtype) for g, o in zip([*grad_inputs.values(), grad_logits], outputs)]
         leaves = [self.embedding_leaf, *[self.out_leaves[l] for l in range(len(self.out_leaves))]]
@@ -227,7 +228,7 @@ class Replica:
         # The rows are numbers: under no_grad, so that no graph (through a transcoder's weights that
         # require grad) keeps this pass's gradients alive past it.
         with torch.no_grad():
-            return self._rows_of(grads)
+            return self._rows_of(grads, out)
 
     def head_gradients(self, grad_inputs: dict, grad_logits: Tensor | None) -> list[Tensor]:
         """The targets' gradients at each layer's head outputs, [batch seq head head_dim] per layer: what
@@ -240,14 +241,22 @@ class Replica:
                                     allow_unused=True, is_grads_batched=True)
         return [h.new_zeros(n, *h.shape[1:]) if g is None else g[:, 0].detach() for g, h in zip(grads, heads)]
 
-    def _rows_of(self, grads: Sequence[Tensor | None]) -> Float[Tensor, "batch source"]:
+    def _rows_of(self, grads: Sequence[Tensor | None], out: Tensor | None = None) -> Float[Tensor, "batch source"]:
         """The rows from the gradients at the leaves (None: a leaf the targets do not reach): each
-        source's write dotted with its leaf's gradient. A prefix replica's rows are zero past it."""
+        source's write dotted with its leaf's gradient, written into `out`'s first columns (zeros:
+        only the nonzero parts are written) or a new matrix. A prefix replica's rows are zero past it."""
         prompt, n = self.prompt, grads[0].shape[0]
         dtype, length = prompt.errors.dtype, self.length
         n_layers, seq = prompt.errors.shape[:2]
         n_active = prompt.active.shape[0]
-        rows = torch.zeros(n, n_active + (n_layers + 1) * seq, dtype=dtype, device=grads[0].device)
+        width = n_active + (n_layers + 1) * seq
+        if out is None:
+            rows = torch.zeros(n, width, dtype=dtype, device=grads[0].device)
+        elif out.shape[0] != n or out.shape[1] < width or out.dtype != dtype or out.device != grads[0].device:
+            raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; the rows are {dtype} "
+                             f"({n}, {width}) on {grads[0].device}")
+        else:
+            rows = out[:, :width]
         features, errors = rows[:, :n_active], rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
         rows[:, n_active + n_layers * seq:][:, :length] = (grads[0].to(dtype) * prompt.embedding[:length]).sum(-1)
         g_out = [None if g is None else g.to(dtype) for g in grads[1:]]
@@ -259,13 +268,16 @@ class Replica:
             stop = start + sum(counts[:k])
             # One matrix product per position (nonzero() ordered the rows by position): gathering the
             # gradient at each feature's position would copy [batch feature hidden_size], 10x slower.
-            direct = 0
+            # Summed over the layers written in place (from zero: the sum's order and bits as before).
+            reached = False
             for t, rows_t in decoders.items():
                 if k and g_out[t] is not None:
-                    parts = rows_t[:stop - start].split(counts[:k])
-                    direct = direct + torch.cat([g_out[t][:, p] @ d.T for p, d in zip(positions[:k], parts)], 1)
-            if stop > start and not isinstance(direct, int):
-                features[:, start:stop] = direct * prompt.activations[start:stop]
+                    reached, at = True, start
+                    for p, d in zip(positions[:k], rows_t[:stop - start].split(counts[:k])):
+                        features[:, at:at + len(d)] += g_out[t][:, p] @ d.T
+                        at += len(d)
+            if reached:
+                features[:, start:stop] *= prompt.activations[start:stop]
         return rows
 
 

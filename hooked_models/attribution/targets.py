@@ -129,7 +129,8 @@ def directions(replica: Replica, targets: Sequence[Target]) -> tuple[dict, Tenso
     return grad_inputs, grad_logits
 
 
-def target_rows(replica: Replica, targets: Sequence[Target]) -> Float[Tensor, "target source"]:
-    return replica.columns(*directions(replica, targets))[:len(targets)]
+def target_rows(replica: Replica, targets: Sequence[Target], out: Tensor | None = None) -> Float[Tensor, "target source"]:
+    """The targets' rows (`Replica.columns`; `out`: a zero [target >= source] block to write them into)."""
+    return replica.columns(*directions(replica, targets), out=out)[:len(targets)]
 
 

@@ -419,7 +419,7 @@ def test_no_backward_pass_leaves_a_graph_behind(setup, monkeypatch):
     returned = []
     columns = replacement.Replica.columns
     monkeypatch.setattr(replacement.Replica, "columns",
-                        lambda self, *a: returned.append(columns(self, *a)) or returned[-1])
+                        lambda self, *a, **kw: returned.append(columns(self, *a, **kw)) or returned[-1])
     attribute(model, tokens, tcs, max_feature_nodes=12, batch_size=8)
     assert returned and not any(rows.requires_grad or rows.grad_fn is not None for rows in returned)
     assert all(p.grad is None for module in (model, tcs) for p in module.parameters())
