@@ -13,8 +13,12 @@ target at layer L and position p reads nothing after p (causal attention) and no
 row needs (p + 1) positions of L + 1 attention layers and L skips, the **floor** counted here (a logit: every
 layer, plus the unembedding at its position). circuit-tracer runs every target over the whole prompt
 (`full`); ours over the chunk's prefix and up to the chunk's highest layer (`ours`, counted from the
-chunks `attribute` ran). The floor's time at the best measured rate of `torch.mm` (one thread; [M hidden] x
-[hidden hidden], M from 64 to 512) is what the products alone take, before any other cost.
+chunks `attribute` ran). The floor is a count of this method as both tools run it, dense products over
+each position carried, not a bound on every implementation: `tight` counts what one could still skip,
+skipped (`tight_row_products`: the top layer's output projection at the target's position alone, layer 0's
+value projection and position 0 replaced by dot products with precomputed vectors). The times at the best
+measured rate of `torch.mm` (one thread; [M hidden] x [hidden hidden], M from 64 to 512) are what the
+products alone take, before any other cost.
 
 The cases are the comparison's random and held-out ones (the embedded Arcee's rows are not backward-bound),
 the same models, transcoders, prompts and feature budgets (batch 16), built as its driver builds them.
@@ -49,6 +53,34 @@ def row_products(cfg, transcoders, layer: int | None, positions: int, n_sources:
     return positions * ((layer + 1) * attention + layer * skip) + n_sources * cfg.hidden_size
 
 
+def tight_row_products(cfg, transcoders, layer: int | None, position: int, n_sources: int,
+                       position_zero: bool) -> int:
+    """A row's products with what an implementation could still skip, skipped (ours and circuit-tracer's
+    run them as dense products), the patterns' mixing left out as in `row_products`:
+    - the top attention layer's output projection at the target's own position only (every other
+      position's gradient is zero there), and its value projection as one [hidden] vector per head
+      (the gradient at each position is that head's pattern entry times it) where that is cheaper;
+    - layer 0's value projection, replaced by dot products with the prompt's value vectors (what
+      reaches the embeddings through it);
+    - position 0 when its features are not nodes (`position_zero` False: its errors are zero, and what
+      reaches its embedding is one dot product per layer with a precomputed value vector).
+    Layer None is a logit: the last layer's skip at its position only, the unembedding once."""
+    _, skip = per_position(cfg, transcoders)
+    hidden, heads, kv, head_dim = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out_proj, value_proj = hidden * heads * head_dim, hidden * kv * head_dim
+    n = position + 1 - (0 if position_zero else 1)  # the positions carried
+    top = cfg.num_layers - 1 if layer is None else layer
+    if top == 0:  # straight to the embeddings' value vectors
+        at_top = out_proj + n * heads * head_dim
+    else:
+        at_top = out_proj + min(n * value_proj, heads * head_dim * hidden)
+    below = top * n * (out_proj + skip) + max(top - 1, 0) * n * value_proj + (n * kv * head_dim if top else 0)
+    zero = 0 if position_zero else heads * head_dim + top * kv * head_dim
+    if layer is None:
+        return skip + at_top + below + zero + cfg.vocab_size * hidden
+    return at_top + below + zero + n_sources * hidden
+
+
 def matmul_rate(hidden: int, repeats: int = 20) -> dict:
     """The median GFLOP/s of [M hidden] x [hidden hidden] at each M, one thread."""
     rates = {}
@@ -72,10 +104,10 @@ def count(case, model, transcoders, tokens) -> dict:
     module = sys.modules["hooked_models.attribution.attribute"]
     chunks, run = [], module.target_rows
 
-    def counted(replica, targets):
+    def counted(replica, targets, **kwargs):
         layers = [t.layer for t in targets]
         chunks.append((replica.length, None if None in layers else max(layers), len(targets)))
-        return run(replica, targets)
+        return run(replica, targets, **kwargs)
 
     module.target_rows = counted
     try:
@@ -85,14 +117,16 @@ def count(case, model, transcoders, tokens) -> dict:
         module.target_rows = run
     cfg, seq = model.cfg, tokens.shape[-1]
     n_sources = graph.n_features + graph.n_layers * seq + seq
-    floor = full = 0
+    floor = full = tight = 0
     for layer, pos, _ in graph.active_features.tolist():
         floor += row_products(cfg, transcoders, layer, pos + 1, n_sources)
         full += row_products(cfg, transcoders, layer, seq, n_sources)
+        tight += tight_row_products(cfg, transcoders, layer, pos, n_sources, position_zero=False)
     logits = len(graph.logit_tokens) * row_products(cfg, transcoders, None, seq, n_sources)
+    tight += len(graph.logit_tokens) * tight_row_products(cfg, transcoders, None, seq - 1, n_sources, False)
     ours = sum(n * row_products(cfg, transcoders, layer, length, n_sources) for length, layer, n in chunks)
     return {"label": case.label, "tokens": seq, "max_feature_nodes": case.max_feature_nodes,
-            "rows": graph.n_features + len(graph.logit_tokens), "floor_macs": floor + logits,
+            "rows": graph.n_features + len(graph.logit_tokens), "floor_macs": floor + logits, "tight_macs": tight,
             "full_macs": full + logits, "ours_macs": ours, "chunks": len(chunks)}
 
 
@@ -122,6 +156,7 @@ def main() -> None:
             row = {"case": index, **count(case, model, transcoders, tokens),
                    "peak_gflops": max(rates[model.cfg.hidden_size].values())}
             row["floor_s_at_peak"] = 2 * row["floor_macs"] / row["peak_gflops"] / 1e9
+            row["tight_s_at_peak"] = 2 * row["tight_macs"] / row["peak_gflops"] / 1e9
             rows.append(row)
             print(row, flush=True)
     path = results.save({"cases": rows, "matmul_gflops": {str(h): {str(m): r for m, r in by.items()}

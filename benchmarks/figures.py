@@ -488,20 +488,21 @@ def circuit_tracer_table() -> str:
 
 
 def attribution_floor_table() -> str:
-    """The backward-bound rows of the circuit-tracer comparison: the products each needs at least (the floor),
-    ours, and every target's over the whole prompt; the floor's time at this machine's best matmul rate,
-    beside a third of circuit-tracer's time (the 3x target) and ours."""
+    """The backward-bound rows of the circuit-tracer comparison: the products each runs at the fewest as both
+    tools run them (the floor), with what could still be skipped skipped (tight), ours, and every target's over
+    the whole prompt; the tight and floor counts' times at this machine's best matmul rate, beside a third of
+    circuit-tracer's time (the 3x target) and ours."""
     r, compared = load("attribution_floor"), load("circuit_tracer_compare")["figures"]["cases"]
-    lines = ["| model | tokens | rows | products (G multiply-adds): floor, ours, every target over the whole prompt | best `torch.mm` "
-             "rate | the floor's products at it | circuit-tracer / 3 | hooked_models |",
+    lines = ["| model | tokens | rows | products (G multiply-adds): tight, floor, ours, every target over the whole "
+             "prompt | best `torch.mm` rate | tight and floor products at it | circuit-tracer / 3 | hooked_models |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["figures"]["cases"]:
         case = next(c for c in compared if (c["label"], c["tokens"], c["max_feature_nodes"], c["head_loadings"])
                     == (row["label"], row["tokens"], row["max_feature_nodes"], False))
-        lines.append(f"| {row['label']} | {row['tokens']} | {row['rows']:,} | {row['floor_macs'] / 1e9:.1f}, "
-                     f"{row['ours_macs'] / 1e9:.1f}, {row['full_macs'] / 1e9:.1f} | {row['peak_gflops']:.0f} GFLOP/s | "
-                     f"{ms(row['floor_s_at_peak'])} | {ms(case['circuit_tracer']['cpu_s'] / 3)} | "
-                     f"{ms(case['hooked_models']['cpu_s'])} |")
+        lines.append(f"| {row['label']} | {row['tokens']} | {row['rows']:,} | {row['tight_macs'] / 1e9:.1f}, "
+                     f"{row['floor_macs'] / 1e9:.1f}, {row['ours_macs'] / 1e9:.1f}, {row['full_macs'] / 1e9:.1f} | "
+                     f"{row['peak_gflops']:.0f} GFLOP/s | {ms(row['tight_s_at_peak'])}, {ms(row['floor_s_at_peak'])} | "
+                     f"{ms(case['circuit_tracer']['cpu_s'] / 3)} | {ms(case['hooked_models']['cpu_s'])} |")
     return "\n".join(lines + ["", f"Counted and measured {when(r)}; one thread (`python benchmarks/attribution_floor.py`)."])
 
 
