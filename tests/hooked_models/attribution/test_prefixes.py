@@ -3,6 +3,7 @@ the first positions runs its backward pass over a replica of those positions, wh
 whole prompt's replica gives (the oracle tests pin those), on both families (alpha-er's MLPs are routed by
 the sequence's length: the prefix's MLP outputs are the whole prompt's) and a cross-layer transcoder."""
 
+import pytest
 import torch
 
 from hooked_models.attribution import attribute
@@ -45,3 +46,23 @@ def test_the_graph_over_prefixes_is_the_graph_over_the_whole_prompt(family_setup
     # float32 rounding: other shapes of the backward's products (alpha-er's: 3e-7 on one edge in 0.4 million)
     rounding = 1e-6 * float(whole.adjacency_matrix.abs().max())
     torch.testing.assert_close(graph.adjacency_matrix, whole.adjacency_matrix, rtol=1e-6, atol=rounding)
+
+
+def test_rows_written_in_place_are_the_rows_computed_anew(family_setup):
+    """`target_rows(out=)`, as `attribute` calls it: the rows written into a strided block of a larger zero matrix
+    (the adjacency's layout, wider than the sources) equal the rows computed into a new matrix, bit for bit, the
+    columns past the sources untouched; an `out` of the wrong shape is refused, naming both shapes."""
+    model, tcs, prompt = family_setup
+    state = Prompt(model, prompt_tokens(model, prompt), tcs)
+    replicas = Replicas(state, step=4)
+    for replica in (replicas.full, replicas(replicas.length(2))):
+        targets = [Target(l, p, tcs.encoder(l).detach()[:, f]) for l, p, f in state.active.tolist()[::3]
+                   if p < replica.length]
+        fresh = target_rows(replica, targets)
+        matrix = torch.zeros(len(targets) + 2, fresh.shape[1] + 5)
+        block = matrix[1:1 + len(targets)]
+        written = target_rows(replica, targets, out=block)
+        assert written.data_ptr() == block.data_ptr() and torch.equal(written, fresh)
+        assert matrix[0].abs().max() == 0 and matrix[-1].abs().max() == 0 and matrix[:, -5:].abs().max() == 0
+    with pytest.raises(ValueError, match=rf"out is torch.float32 \({len(targets)}, 3\).*\({len(targets)}, {fresh.shape[1]}\)"):
+        target_rows(replicas.full, targets, out=torch.zeros(len(targets), 3))
