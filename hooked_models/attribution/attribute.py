@@ -155,9 +155,9 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
             chunks = [keys[start:start + batch_size] for start in range(0, len(keys), batch_size)]
             lengths = [replicas.length(max(position(k)[1] for k in chunk)) for chunk in chunks]
             for i in sorted(range(len(chunks)), key=lengths.__getitem__):
-                index, block = computed.place(chunks[i])
+                index, block = computed.place(chunks[i], state.errors.device)
                 rows = target_rows(replicas(lengths[i]), [target(k) for k in chunks[i]], out=block)
-                computed.add(index, rows.cpu())  # assembled on the CPU
+                computed.add(index, rows.cpu(), written=block is not None)  # assembled on the CPU
                 track.advance(len(chunks[i]))
 
         compute(output_keys)
@@ -246,22 +246,23 @@ class _Rows:
         self.keys: list = []
         self.abs_sums = torch.zeros(0 if self.fixed else out.shape[0], dtype=torch.float32)
 
-    def place(self, keys: list) -> tuple[Tensor, Tensor | None]:
+    def place(self, keys: list, device: torch.device) -> tuple[Tensor, Tensor | None]:
         """The rows where `keys` go (registered in computed order), and, where they are consecutive (a
-        chunk of features in `active`'s order, or of appended rows), those rows of `out` as one block to
-        be written in place (still zero: each key is computed once), so that no [batch source] copy is
-        allocated and copied per backward pass; else None."""
+        chunk of features in `active`'s order, or of appended rows) and the rows are computed on `out`'s
+        device (the CPU's: a model elsewhere computes them there and they are copied), those rows of `out`
+        as one block to be written in place (still zero: each key is computed once), so that no [batch
+        source] copy is allocated and copied per backward pass; else None."""
         if not self.fixed:
             for key in keys:
                 self.at[key] = len(self.keys)
                 self.keys.append(key)
         index = [self.at[key] for key in keys]
-        consecutive = index == list(range(index[0], index[0] + len(index)))
-        return torch.tensor(index), self.out[index[0]:index[-1] + 1] if consecutive else None
+        in_place = index == list(range(index[0], index[0] + len(index))) and self.out.device == device
+        return torch.tensor(index), self.out[index[0]:index[-1] + 1] if in_place else None
 
-    def add(self, index: Tensor, rows: Tensor) -> None:
-        """Rows computed for `place`'s index: copied there unless they were written there (its block)."""
-        if rows.data_ptr() != self.out[int(index[0])].data_ptr():
+    def add(self, index: Tensor, rows: Tensor, written: bool = False) -> None:
+        """Rows computed for `place`'s index: copied there unless `written` there already (its block)."""
+        if not written:
             self.out[index, :rows.shape[1]] = rows
         if not self.fixed:
             self.abs_sums[index] = rows.abs().sum(1, dtype=torch.float32)

@@ -424,3 +424,24 @@ def test_no_backward_pass_leaves_a_graph_behind(setup, monkeypatch):
     assert returned and not any(rows.requires_grad or rows.grad_fn is not None for rows in returned)
     assert all(p.grad is None for module in (model, tcs) for p in module.parameters())
     assert all(p.requires_grad for p in tcs.parameters())  # given back as they were
+
+
+def test_rows_are_written_in_place_only_where_they_are_computed_and_consecutive():
+    """attribute's row store hands a batch its block of the CPU matrix only where the batch's rows are consecutive
+    there and the model computes on the CPU: rows computed on another device (a GPU) come back as a copy, never
+    into a CPU block the backward pass's device cannot write."""
+    from hooked_models.attribution.attribute import _Rows
+
+    appended = _Rows(torch.zeros(5, 3))
+    index, block = appended.place([("feature", 7), ("feature", 2)], torch.device("cpu"))
+    assert index.tolist() == [0, 1] and block.data_ptr() == appended.out.data_ptr() and block.shape == (2, 3)
+    index, block = appended.place([("feature", 4)], torch.device("meta"))  # computed elsewhere: copied
+    assert index.tolist() == [2] and block is None
+    appended.add(index, torch.ones(1, 3))
+    assert appended.out[2].tolist() == [1, 1, 1] and appended.abs_sums[2] == 3
+    fixed = _Rows(torch.zeros(6, 6), {("feature", 0): 0, ("feature", 1): 1, ("output", 0): 5})
+    assert fixed.place([("feature", 0), ("output", 0)], torch.device("cpu"))[1] is None  # not consecutive
+    index, block = fixed.place([("feature", 0), ("feature", 1)], torch.device("cpu"))
+    block[:, :4] = 2.0
+    fixed.add(index, block[:, :4], written=True)
+    assert fixed.out[:2, :4].eq(2).all() and fixed.out[2:].abs().max() == 0
