@@ -19,7 +19,15 @@ from torch import Tensor
 
 from hooked_models.attribution.attention import split_attention
 from hooked_models.attribution.graph import AttributionGraph
-from hooked_models.attribution.replacement import Prompt, Replicas, check_prompt, prompt_tokens, transcoder_names
+from hooked_models.attribution.linear_backward import LinearBackward, refusal
+from hooked_models.attribution.replacement import (
+    Prompt,
+    Replica,
+    Replicas,
+    check_prompt,
+    prompt_tokens,
+    transcoder_names,
+)
 from hooked_models.attribution.targets import OutputTarget, Target, resolve, target_rows
 from hooked_models.progress import ProgressArg, tracker
 
@@ -120,8 +128,11 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     n_layers, seq = transcoders.n_layers, tokens.shape[1]
     n_sources = n_active + n_layers * seq + seq
     dtype = state.errors.dtype
-    replicas = Replicas(state, step=max(8, -(-seq // 4)))  # at most 3 prefixes, none shorter than 8
-    replica = replicas.full
+    # The written-out backward where it serves (an Arcee with per-layer transcoders), else autograd's over
+    # replicas of the prompt and its prefixes (at most 3, none shorter than 8).
+    written_out = refusal(model, transcoders) is None
+    backward = LinearBackward(state) if written_out else None
+    replicas = None if written_out else Replicas(state, step=max(8, -(-seq // 4)))
     encoders = _active_encoders(transcoders, state.active, dtype)
     active = state.active.tolist()
 
@@ -153,10 +164,15 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
             # length, so that each prefix is run forward once per call.
             keys = sorted(keys, key=position)
             chunks = [keys[start:start + batch_size] for start in range(0, len(keys), batch_size)]
-            lengths = [replicas.length(max(position(k)[1] for k in chunk)) for chunk in chunks]
+            last = [max(position(k)[1] for k in chunk) for chunk in chunks]
+            lengths = last if written_out else [replicas.length(p) for p in last]
             for i in sorted(range(len(chunks)), key=lengths.__getitem__):
                 index, block = computed.place(chunks[i], state.errors.device)
-                rows = target_rows(replicas(lengths[i]), [target(k) for k in chunks[i]], out=block)
+                chunk = [target(k) for k in chunks[i]]
+                if written_out:
+                    rows = backward.rows(chunk, out=block)
+                else:
+                    rows = target_rows(replicas(lengths[i]), chunk, out=block)
                 computed.add(index, rows.cpu(), written=block is not None)  # assembled on the CPU
                 track.advance(len(chunks[i]))
 
@@ -169,7 +185,8 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         else:
             selected = _select_features(computed, weights, n_active, budget, batch_size, compute)
             adjacency = computed.assembled(selected, output_keys, n_active)
-        replicas.release()
+        if replicas is not None:
+            replicas.release()
         placed = [*zip(range(len(selected)), [("feature", int(i)) for i in selected]),
                   *zip(range(n_nodes - len(output_keys), n_nodes), output_keys)]
         graph = _graph(model, prompt, tokens, transcoders, state, selected, outputs, adjacency)
@@ -181,6 +198,7 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         else:
             pruned = graph.prune(node_threshold, edge_threshold)
             edges, kept = pruned.edge_mask.nonzero(), pruned.node_mask
+        replica = Replica(state) if replicas is None else replicas.full
         return split_attention(state, replica, graph, edges, kept, lambda node: target(keys[node]), selected, qk,
                                batch_size, track)
 

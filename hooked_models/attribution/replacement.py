@@ -74,6 +74,7 @@ class Prompt:
 
     def __init__(self, model, tokens: Tensor, transcoders, frozen: bool = True, keep_position_zero: bool = True):
         self.model, self.tokens, self.transcoders = model, tokens, transcoders
+        self.keep_position_zero = keep_position_zero
         n = transcoders.n_layers
         self.inputs = [transcoders.input_hook(l) for l in range(n)]
         self.outputs = [transcoders.output_hook(l) for l in range(n)]
@@ -242,43 +243,7 @@ class Replica:
         return [h.new_zeros(n, *h.shape[1:]) if g is None else g[:, 0].detach() for g, h in zip(grads, heads)]
 
     def _rows_of(self, grads: Sequence[Tensor | None], out: Tensor | None = None) -> Float[Tensor, "batch source"]:
-        """The rows from the gradients at the leaves (None: a leaf the targets do not reach): each
-        source's write dotted with its leaf's gradient, written into `out`'s first columns (zeros:
-        only the nonzero parts are written) or a new matrix. A prefix replica's rows are zero past it."""
-        prompt, n = self.prompt, grads[0].shape[0]
-        dtype, length = prompt.errors.dtype, self.length
-        n_layers, seq = prompt.errors.shape[:2]
-        n_active = prompt.active.shape[0]
-        width = n_active + (n_layers + 1) * seq
-        if out is None:
-            rows = torch.zeros(n, width, dtype=dtype, device=grads[0].device)
-        elif out.shape[0] != n or out.shape[1] < width or out.dtype != dtype or out.device != grads[0].device:
-            raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; the rows are {dtype} "
-                             f"({n}, {width}) on {grads[0].device}")
-        else:
-            rows = out[:, :width]
-        features, errors = rows[:, :n_active], rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
-        rows[:, n_active + n_layers * seq:][:, :length] = (grads[0].to(dtype) * prompt.embedding[:length]).sum(-1)
-        g_out = [None if g is None else g.to(dtype) for g in grads[1:]]
-        for layer, g in enumerate(g_out):
-            if g is not None:
-                errors[:, layer, :length] = torch.einsum("bsd,sd->bs", g, prompt.errors[layer, :length])
-        for layer, (start, positions, counts, decoders) in enumerate(prompt.feature_writes()):
-            k = bisect.bisect_left(positions, length)  # the positions inside the prefix
-            stop = start + sum(counts[:k])
-            # One matrix product per position (nonzero() ordered the rows by position): gathering the
-            # gradient at each feature's position would copy [batch feature hidden_size], 10x slower.
-            # Summed over the layers written in place (from zero: the sum's order and bits as before).
-            reached = False
-            for t, rows_t in decoders.items():
-                if k and g_out[t] is not None:
-                    reached, at = True, start
-                    for p, d in zip(positions[:k], rows_t[:stop - start].split(counts[:k])):
-                        features[:, at:at + len(d)] += g_out[t][:, p] @ d.T
-                        at += len(d)
-            if reached:
-                features[:, start:stop] *= prompt.activations[start:stop]
-        return rows
+        return rows_of(self.prompt, self.length, grads, out)
 
 
 class Replicas:
@@ -335,6 +300,47 @@ class Replicas:
         pairs = [(a.detach(), b.detach()) for a, b in pairs]
         return prefix.substituted and all(a.dtype in (torch.float32, torch.float64) and a.shape == b[:, :n].shape
                    and float((a - b[:, :n]).abs().max()) <= 1e-5 * float(b[:, :n].abs().max()) for a, b in pairs)
+
+
+def rows_of(prompt: Prompt, length: int, grads: Sequence[Tensor | None], out: Tensor | None = None
+            ) -> Float[Tensor, "batch source"]:
+    """The rows from the gradients at the leaves, [batch >= length d] each (None: a leaf the targets do
+    not reach): the stream entering layer 0, then each MLP output. Each source's write dotted with its
+    leaf's gradient, written into `out`'s first columns (zeros: only the nonzero parts are written) or a
+    new matrix; the rows are zero past the first `length` positions (a prefix's)."""
+    n, dtype = grads[0].shape[0], prompt.errors.dtype
+    n_layers, seq = prompt.errors.shape[:2]
+    n_active = prompt.active.shape[0]
+    width = n_active + (n_layers + 1) * seq
+    if out is None:
+        rows = torch.zeros(n, width, dtype=dtype, device=grads[0].device)
+    elif out.shape[0] != n or out.shape[1] < width or out.dtype != dtype or out.device != grads[0].device:
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; the rows are {dtype} "
+                         f"({n}, {width}) on {grads[0].device}")
+    else:
+        rows = out[:, :width]
+    features, errors = rows[:, :n_active], rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
+    rows[:, n_active + n_layers * seq:][:, :length] = (grads[0].to(dtype) * prompt.embedding[:length]).sum(-1)
+    g_out = [None if g is None else g.to(dtype) for g in grads[1:]]
+    for layer, g in enumerate(g_out):
+        if g is not None:
+            errors[:, layer, :length] = torch.einsum("bsd,sd->bs", g, prompt.errors[layer, :length])
+    for layer, (start, positions, counts, decoders) in enumerate(prompt.feature_writes()):
+        k = bisect.bisect_left(positions, length)  # the positions inside the prefix
+        stop = start + sum(counts[:k])
+        # One matrix product per position (nonzero() ordered the rows by position): gathering the
+        # gradient at each feature's position would copy [batch feature hidden_size], 10x slower.
+        # Summed over the layers written in place (from zero: the sum's order and bits as before).
+        reached = False
+        for t, rows_t in decoders.items():
+            if k and g_out[t] is not None:
+                reached, at = True, start
+                for p, d in zip(positions[:k], rows_t[:stop - start].split(counts[:k])):
+                    features[:, at:at + len(d)] += g_out[t][:, p] @ d.T
+                    at += len(d)
+        if reached:
+            features[:, start:stop] *= prompt.activations[start:stop]
+    return rows
 
 
 def prompt_tokens(model, prompt) -> Tensor:

@@ -136,6 +136,10 @@ class LazyTranscoderSet(TranscoderSet):
             out = out + x.to(w_skip.dtype) @ w_skip.T
         return out
 
+    def skip_weight(self, layer: int) -> Tensor | None:
+        """As `TranscoderSet.skip_weight`, read on its own (the layer's other tensors stay in its file)."""
+        return self._small(self._layer(layer), "W_skip") if self.has_skip else None
+
     def _apply(self, fn, recurse=True):
         """`.to(dtype=, device=)`: where and as what later reads go (no tensor is resident to move)."""
         probe = fn(torch.zeros((), dtype=self.dtype, device=self._device))

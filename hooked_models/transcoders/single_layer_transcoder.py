@@ -279,6 +279,10 @@ class TranscoderSet(SetBase):
     def threshold_of(self, layer: int) -> Tensor | None:
         return self[layer].threshold
 
+    def skip_weight(self, layer: int) -> Float[Tensor, "d_out d_in"] | None:
+        """Layer `layer`'s W_skip (its skip connection is x @ W_skip.T), None without one."""
+        return self[layer].W_skip
+
     def decoder_norms(self, layer: int) -> Float[Tensor, " d_transcoder"]:
         """Each feature's decoder norm (the L1 penalty's weights)."""
         return self[layer].W_dec.norm(dim=-1)

@@ -3,6 +3,8 @@ the first positions runs its backward pass over a replica of those positions, wh
 whole prompt's replica gives (the oracle tests pin those), on both families (alpha-er's MLPs are routed by
 the sequence's length: the prefix's MLP outputs are the whole prompt's) and a cross-layer transcoder."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -31,6 +33,10 @@ def test_a_prefix_replica_gives_the_whole_prompts_rows(family_setup):
 
 def test_the_graph_over_prefixes_is_the_graph_over_the_whole_prompt(family_setup, monkeypatch):
     model, tcs, prompt = family_setup
+    # autograd's path, which the prefixes serve (an Arcee with per-layer transcoders takes the written-out
+    # backward otherwise, which runs no forward per prefix: tests/.../test_linear_backward.py)
+    monkeypatch.setattr(importlib.import_module("hooked_models.attribution.attribute"), "refusal",
+                        lambda model, transcoders: "autograd's path, for the test")
     longer = torch.cat([prompt, prompt.flip(0)])  # 16 positions: the first chunks run over 8
     built, reproduces = [], Replicas._reproduces
 

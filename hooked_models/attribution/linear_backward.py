@@ -1,0 +1,210 @@
+"""The backward pass of an Arcee's linear replacement model, written out: what `Replica.columns` asks of
+autograd, in the products it needs and no others.
+
+The frozen replacement model (replacement.py) is linear, and for a model of pre-norm blocks with
+grouped-query attention, RMSNorms and per-layer transcoders its transpose is short: per block, from the
+top, with G the gradient at the block's output [batch pos hidden_size] and c = weight / frozen scale,
+
+    at the MLP output (a leaf):          G
+    at the MLP input (the transcoder's): G @ W_skip, plus each target of this layer's direction at its position
+    at the attention's output:           g_h = G + (MLP input's gradient) * c2
+    at each head's mix, then its values: z = g_h @ W_O;  v_j = sum over query heads h of group j: A_h^T z_h
+    at the block's input:                g_h + (v @ W_V) * c1
+
+(each norm's weight folded into the matrix before it, W_skip * w2 and W_V * w1, its scale divided per
+position)
+
+and above the top block, a logit target's direction @ W_U * c_final at its position. Autograd over one
+frozen forward runs every target of a batch through every layer and position of its replica; here a
+target starts where it reads (a layer-l feature at block l, nothing above it), the positions are those up
+to the batch's last target (causal: nothing later reaches it, and no forward of a prefix is needed), and
+a target's first block, where its gradient is one position's, takes the cheaper order: its per-head
+vectors (g_h[p] @ W_O_h) @ W_V_h mixed by the pattern's row p, never the [pos hidden_size] products.
+Same sums as autograd's, in other orders: the rows agree to float32 rounding
+(tests/hooked_models/attribution/test_linear_backward.py), not bit for bit.
+
+`LinearBackward.refusal(model, transcoders)` says why a model or transcoder set is not of that form
+(alpha-er's factored projections, a cross-layer transcoder, a hook on the model, dtypes that differ);
+`attribute` then runs autograd's backward over replicas, which serves every model.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from hooked_models.attribution.replacement import Prompt, rows_of
+from hooked_models.hooks import ValueHook
+
+
+def refusal(model, transcoders) -> str | None:
+    """Why the written-out backward does not serve this model and these transcoders (None: it does)."""
+    from hooked_models.components.attention import GroupedQueryAttention
+    from hooked_models.components.block import PreNormBlock
+    from hooked_models.components.norms import RMSNorm
+    from hooked_models.families.arcee import HookedArcee
+    from hooked_models.transcoders import TranscoderSet
+
+    if type(model) is not HookedArcee:
+        return f"{type(model).__name__} is not an Arcee model"
+    if not isinstance(transcoders, TranscoderSet):
+        return f"{type(transcoders).__name__} is not a per-layer TranscoderSet"
+    for i, layer in enumerate(model.layers):
+        if not (type(layer) is PreNormBlock and type(layer.self_attn) is GroupedQueryAttention
+                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm):
+            return f"layer {i} is not a pre-norm block of grouped-query attention and RMSNorms"
+        if layer.self_attn.o_proj.bias is not None or layer.self_attn.v_proj.bias is not None:
+            return f"layer {i}'s attention has a bias"
+    if type(model.norm) is not RMSNorm or model.lm_head.bias is not None:
+        return "the final norm is not an RMSNorm or the unembedding has a bias"
+    dtypes = {p.dtype for p in model.parameters()} | {transcoders.dtype}
+    if dtypes != {torch.float32} and dtypes != {torch.float64}:
+        return f"the model and transcoders compute in {sorted(map(str, dtypes))}, not one float32 or float64"
+    if any(m.has_hooks() for m in model.modules() if isinstance(m, ValueHook)):
+        return "the model carries hooks, which the written-out backward would not apply"
+    return None
+
+
+class LinearBackward:
+    """The rows of a prompt's targets (`rows(targets, out=)`, as `target_rows` gives them) by the written-out
+    backward pass (see the module docstring). Holds the prompt's frozen patterns and scales, read once."""
+
+    def __init__(self, prompt: Prompt):
+        model, tcs = prompt.model, prompt.transcoders
+        self.prompt, self.model = prompt, model
+        constants = prompt.constants
+        self.blocks = []
+        for l, layer in enumerate(model.layers):
+            attn, w1, w2 = layer.self_attn, layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
+            # Each norm's weight folded into the matrix its gradient leaves by, its frozen scale per position.
+            inv1 = 1 / constants[f"layers.{l}.input_layernorm.norm_scale"][0]  # [seq 1]
+            inv2 = 1 / constants[f"layers.{l}.post_attention_layernorm.norm_scale"][0]
+            pattern = constants[f"layers.{l}.self_attn.attention_probabilities"][0]  # [head seq seq]
+            skip = tcs.skip_weight(l).detach() * w2 if tcs.has_skip else None  # [d_out d_in]
+            self.blocks.append((inv1, inv2, w2, pattern, attn.o_proj.weight.detach(), attn.v_proj.weight.detach() * w1,
+                                skip, attn.num_kv_heads, attn.groups, attn.head_dim))
+        self.final = model.norm.weight.detach() / constants["norm.norm_scale"][0]  # [seq hidden_size]
+        self.unembedding = model.lm_head.weight.detach()  # [vocab hidden_size]
+        self.zero_values = None if prompt.keep_position_zero else self._position_zero_values()
+
+    def _position_zero_values(self) -> list[Tensor]:
+        """Per layer, the values [kv_head head_dim] that position 0's embedding makes there, forward through
+        position 0's own blocks (it attends to itself alone; its MLP outputs are constants of the prompt but
+        for the skip): where position 0's features and errors are not nodes, its embedding is the one node
+        there, and a target's edge from it is its gradient at each layer's values at position 0 dotted with
+        these, so position 0 is never carried through the position-by-position products."""
+        x, values = self.prompt.embedding[0].to(self.final.dtype), []
+        with torch.no_grad():
+            for inv1, inv2, _, pattern, w_o, w_v, skip, kv, groups, head_dim in self.blocks:
+                v = (x @ w_v.T) * inv1[0]  # w_v holds the input norm's weight
+                values.append(v.view(kv, head_dim))
+                mixed = (pattern[:, 0, 0].view(kv, groups, 1) * v.view(kv, 1, head_dim)).flatten()
+                h = x + mixed @ w_o.T
+                x = h if skip is None else h + (h * inv2[0]) @ skip.T  # skip holds the MLP norm's weight
+            return values
+
+    def rows(self, targets: Sequence, out: Tensor | None = None) -> Float[Tensor, "target source"]:
+        """The targets' rows (each a `targets.Target`): features, errors, embeddings; into `out` where given.
+        The targets must be ordered by layer (the logits' last), as `attribute`'s chunks are."""
+        n_layers = len(self.blocks)
+        tops = [n_layers if t.layer is None else t.layer for t in targets]
+        if tops != sorted(tops):
+            raise ValueError(f"targets by layer {tops}: the written-out backward takes them ordered by layer")
+        n = max(t.pos for t in targets) + 1
+        # Position 0 left out of the products where its embedding is its one node and no target reads it.
+        first = int(self.zero_values is not None and min(t.pos for t in targets) > 0)
+        with torch.no_grad():
+            grads, zero_edges = self._gradients(targets, tops, n, first)
+            rows = rows_of(self.prompt, n, grads, out)[:len(targets)]
+            if first:
+                n_layers, seq = self.prompt.errors.shape[:2]
+                rows[:, rows.shape[1] - seq] = zero_edges.to(rows.dtype)  # position 0's embedding
+            return rows
+
+    def _gradients(self, targets: Sequence, tops: list[int], n: int, first: int) -> tuple[list[Tensor | None], Tensor]:
+        """The gradients at the leaves [batch n hidden_size]: the stream entering layer 0, each MLP output;
+        from position `first` on (1: position 0 not carried, its embedding's edges returned beside them)."""
+        n_layers, batch = len(self.blocks), len(targets)
+        c = self.final
+        dtype, device = c.dtype, c.device
+        d = c.shape[-1]
+        position = torch.tensor([t.pos for t in targets], device=device)
+        g = torch.zeros(batch, n, d, dtype=dtype, device=device)
+        zero_edges = torch.zeros(batch, dtype=dtype, device=device)
+        first_logit = next((i for i, top in enumerate(tops) if top == n_layers), batch)
+        if first_logit < batch:
+            directions = torch.stack([t.direction for t in targets[first_logit:]]).to(dtype=dtype, device=device)
+            at = position[first_logit:]
+            g[torch.arange(first_logit, batch, device=device), at] = (directions @ self.unembedding) * c[at]
+        leaves: list[Tensor | None] = [None] * n_layers
+        for l in reversed(range(n_layers)):
+            # Targets whose gradient has passed an attention layer ([mid:]), and those meeting their first
+            # ([start:mid]: this layer's features, and at the top block the logits), one position each.
+            start = next((i for i, top in enumerate(tops) if top >= l), batch)
+            mid = next((i for i, top in enumerate(tops) if min(top, n_layers - 1) > l), batch)
+            if start == batch:
+                continue
+            leaves[l] = g
+            below = torch.zeros_like(g)
+            if mid < batch:
+                below[mid:], zero_edges[mid:] = self._through_block(l, g[mid:], position[mid:], n, first, zero_edges[mid:])
+            if start < mid:
+                fresh = range(start, mid)
+                injected = [(i - start, t.direction) for i, t in zip(fresh, targets[start:mid]) if tops[i] == l]
+                below[start:mid], zero_edges[start:mid] = self._through_block_from_one_position(
+                    l, g[start:mid], position[start:mid], injected, n, first, zero_edges[start:mid])
+            g = below
+        return [g, *leaves], zero_edges
+
+    def _through_block(self, l: int, g: Tensor, position: Tensor, n: int, first: int, zero_edges: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+        """Block l's transpose for gradients g [batch n hidden_size] at its output: at its input. The
+        products position by position run over each target's positions `first` ... its own (the rest are
+        zero: nothing later reaches it), packed [(target, position) hidden_size]; only the mix is padded.
+        With `first`, the value gradients at position 0 dotted with its embedding's values, added to
+        `zero_edges`."""
+        inv1, inv2, _, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        batch = g.shape[0]
+        counts = position + 1 - first
+        target = torch.repeat_interleave(torch.arange(batch, device=g.device), counts)
+        at = (torch.arange(int(counts.sum()), device=g.device) + first
+              - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
+        packed = g[target, at]
+        g_h = packed if skip is None else torch.addcmul(packed, packed @ skip, inv2[at])
+        z = g.new_zeros(batch, n, kv * groups * head_dim)
+        z[target, at] = g_h @ w_o
+        z = z.view(batch, n, kv * groups, head_dim).transpose(1, 2)  # [batch head n head_dim]
+        v = torch.matmul(pattern[:, :n, :n].transpose(-1, -2), z)  # [batch head n head_dim]
+        v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)  # [batch n kv_head head_dim]
+        if first:
+            zero_edges = zero_edges + (v[:, 0] * self.zero_values[l]).flatten(1).sum(-1)
+        below = torch.zeros_like(g)
+        below[target, at] = torch.addcmul(g_h, v[target, at].flatten(1) @ w_v, inv1[at])
+        return below, zero_edges
+
+    def _through_block_from_one_position(self, l: int, g: Tensor, position: Tensor, injected: list, n: int,
+                                         first: int, zero_edges: Tensor) -> tuple[Tensor, Tensor]:
+        """Block l's transpose for gradients g [batch n hidden_size] that are nonzero only at each target's
+        position (plus `injected`: (row, direction) at the MLP input there): per head, the vector
+        (g_h[p] @ W_O_h) @ W_V_h, spread over the positions by row p of the head's pattern (from `first`;
+        position 0's share, with `first`, dotted with its embedding's values into `zero_edges`)."""
+        inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        batch = g.shape[0]
+        rows = torch.arange(batch, device=g.device)
+        at = g[rows, position]  # [batch hidden_size]
+        into_mlp = torch.zeros_like(at) if skip is None else at @ skip
+        for row, direction in injected:
+            into_mlp[row] += direction.to(into_mlp.dtype) * w2
+        g_h = torch.addcmul(at, into_mlp, inv2[position])
+        z = (g_h @ w_o).view(batch, kv, groups, head_dim)
+        per_head = torch.einsum("bkge,ked->bkgd", z, w_v.view(kv, head_dim, -1)).reshape(batch, kv * groups, -1)
+        spread = pattern[:, position, :n].permute(1, 2, 0)  # [batch n head]: row p of each head's pattern
+        if first:
+            reads = torch.einsum("bkge,ke->bkg", z, self.zero_values[l]).flatten(1)  # [batch head]
+            zero_edges = zero_edges + (spread[:, 0] * reads).sum(-1)
+            spread = spread.clone()
+            spread[:, 0] = 0
+        below = torch.bmm(spread, per_head) * inv1[:n]
+        below[rows, position] += g_h
+        return below, zero_edges
