@@ -12,8 +12,8 @@ transcoder skip connection hidden x hidden, and the dot products with the source
 target at layer L and position p reads nothing after p (causal attention) and nothing above its layer: its
 row needs (p + 1) positions of L + 1 attention layers and L skips, the **floor** counted here (a logit: every
 layer, plus the unembedding at its position). circuit-tracer runs every target over the whole prompt
-(`full`); ours over the chunk's prefix and up to the chunk's highest layer (`ours`, counted from the
-chunks `attribute` ran). The floor is a count of this method as both tools run it, dense products over
+(`full`); ours each target from its own layer over its own positions (`ours`: every product `attribute`
+ran, its forward's too, counted by torch's `FlopCounterMode`). The floor is a count of this method as both tools run it, dense products over
 each position carried, not a bound on every implementation: `tight` counts what one could still skip,
 skipped (`tight_row_products`: the top layer's output projection at the target's position alone, layer 0's
 value projection and position 0 replaced by dot products with precomputed vectors). The times at the best
@@ -98,23 +98,15 @@ def matmul_rate(hidden: int, repeats: int = 20) -> dict:
 
 
 def count(case, model, transcoders, tokens) -> dict:
-    """The case's graph built once (batch 16), its rows' floor and full-prompt products, and ours as run."""
+    """The case's graph built once (batch 16), its rows' floor and full-prompt products, and ours as run: every
+    matrix product of the call (its forward too), counted by torch's `FlopCounterMode`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from hooked_models.attribution import attribute
 
-    module = sys.modules["hooked_models.attribution.attribute"]
-    chunks, run = [], module.target_rows
-
-    def counted(replica, targets, **kwargs):
-        layers = [t.layer for t in targets]
-        chunks.append((replica.length, None if None in layers else max(layers), len(targets)))
-        return run(replica, targets, **kwargs)
-
-    module.target_rows = counted
-    try:
+    with FlopCounterMode(display=False) as counter:
         graph = attribute(model, tokens, transcoders, batch_size=16, max_feature_nodes=case.max_feature_nodes,
                           desired_logit_prob=0.99999, head_loadings=False)
-    finally:
-        module.target_rows = run
     cfg, seq = model.cfg, tokens.shape[-1]
     n_sources = graph.n_features + graph.n_layers * seq + seq
     floor = full = tight = 0
@@ -124,10 +116,9 @@ def count(case, model, transcoders, tokens) -> dict:
         tight += tight_row_products(cfg, transcoders, layer, pos, n_sources, position_zero=False)
     logits = len(graph.logit_tokens) * row_products(cfg, transcoders, None, seq, n_sources)
     tight += len(graph.logit_tokens) * tight_row_products(cfg, transcoders, None, seq - 1, n_sources, False)
-    ours = sum(n * row_products(cfg, transcoders, layer, length, n_sources) for length, layer, n in chunks)
     return {"label": case.label, "tokens": seq, "max_feature_nodes": case.max_feature_nodes,
             "rows": graph.n_features + len(graph.logit_tokens), "floor_macs": floor + logits, "tight_macs": tight,
-            "full_macs": full + logits, "ours_macs": ours, "chunks": len(chunks)}
+            "full_macs": full + logits, "ours_macs": counter.get_total_flops() // 2}
 
 
 def main() -> None:

@@ -19,18 +19,21 @@ from hooked_models.attribution.decomposition import Component, decompose
 from hooked_models.attribution.graph import AttributionGraph
 from hooked_models.attribution.heads import HeadLoadings, target_gradients
 from hooked_models.attribution.qk import QKReader
-from hooked_models.attribution.replacement import Prompt, Replica, freezing_hooks
-from hooked_models.attribution.targets import Target, directions
+from hooked_models.attribution.replacement import Prompt, freezing_hooks
+from hooked_models.attribution.targets import Target
 from hooked_models.progress import Tracker
 
 
-def split_attention(prompt: Prompt, replica: Replica, graph: AttributionGraph, edges: Int[Tensor, "edge 2"],
+def split_attention(prompt: Prompt, head_gradients: Callable[[list[Target]], list[Tensor]], graph: AttributionGraph,
+                    edges: Int[Tensor, "edge 2"],
                     kept: Tensor, target_of: Callable[[int], Target], feature_rows: Tensor,
                     qk: int | Sequence[tuple[int, int, int, int]], batch_size: int,
                     track: Tracker) -> AttributionGraph:
     """`graph` with the loadings of `edges` ([edge 2]: target, source node) and the QK attributions of
     `qk` entries (a number of them, chosen by flow, or a list), over the components that `kept` (a node
-    mask) and the edges' sources name. `target_of(node)`: a target node's input direction;
+    mask) and the edges' sources name. `head_gradients(targets)`: their gradients at each layer's head
+    outputs, [batch seq head head_dim] per layer (targets ordered by layer); `target_of(node)`: a target
+    node's input direction;
     `feature_rows`: each feature node's row among the prompt's active features."""
     model = prompt.model
     edges = edges.long().reshape(-1, 2)
@@ -46,7 +49,7 @@ def split_attention(prompt: Prompt, replica: Replica, graph: AttributionGraph, e
     components = [_component(graph, int(node), feature_rows) for node in writers]
 
     track.reset(len(targets), "gradients")
-    gradients = target_gradients(replica, lambda a, b: directions(replica, [target_of(int(t)) for t in targets[a:b]]),
+    gradients = target_gradients(lambda a, b: head_gradients([target_of(int(t)) for t in targets[a:b]]),
                                  len(targets), batch_size, track.advance)
     cfg = model.cfg
     attention = [model.layers[layer].self_attn for layer in range(cfg.num_layers)]

@@ -5,8 +5,10 @@ circuit-tracer). The weight of an edge is the direct effect of its source on its
 in the linear replacement model (hooked_models/attribution/replacement.py): the target's input direction
 (an encoder column; a logit minus the mean logit) backpropagated to where the source writes, dotted with
 what it writes (activation x decoder row; the error; the embedding). Each batched backward pass computes
-the rows of `batch_size` targets at once (batched gradients over one frozen forward), so a graph
-costs one forward and (targets / batch_size) backward passes, never one pass per edge.
+the rows of `batch_size` targets at once, so a graph costs one forward and (targets / batch_size) backward
+passes, never one pass per edge: on an Arcee with per-layer transcoders a backward written out
+(linear_backward.py: each target from its own layer over its own positions), elsewhere autograd's batched
+gradients over one frozen forward (replacement.py's replicas).
 """
 
 import functools
@@ -28,7 +30,7 @@ from hooked_models.attribution.replacement import (
     prompt_tokens,
     transcoder_names,
 )
-from hooked_models.attribution.targets import OutputTarget, Target, resolve, target_rows
+from hooked_models.attribution.targets import OutputTarget, Target, directions, resolve, target_rows
 from hooked_models.progress import ProgressArg, tracker
 
 
@@ -109,9 +111,9 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
     `progress`: hooked_models/progress.py's `progress=` (phases "logits", "features", "gradients",
     "decomposition"); a callable raising `Cancelled` stops the run at a batch, the model's hooks removed.
 
-    Memory above the model and transcoders: one frozen forward (and its prefixes', together at most 1.5
-    times as much), one batched backward
-    pass's gradients at the leaves, the computed rows (targets x sources: with `max_feature_nodes`,
+    Memory above the model and transcoders: the prompt's frozen patterns and norm scales; on autograd's
+    path one frozen forward (and its prefixes', together at most 1.5 times as much); one batched backward
+    pass's gradients at the leaves (batch x positions x hidden per layer), the computed rows (targets x sources: with `max_feature_nodes`,
     only the rows computed) and the graph (nodes²); with head loadings, the kept targets' gradients at
     the head outputs (kept targets x layers x seq x heads x head_dim) and [kept edge layer head].
     No parameter gradients; nothing outlives a backward pass but its rows.
@@ -198,9 +200,17 @@ def attribute(model, prompt, transcoders, *, targets=None, max_feature_nodes: in
         else:
             pruned = graph.prune(node_threshold, edge_threshold)
             edges, kept = pruned.edge_mask.nonzero(), pruned.node_mask
-        replica = Replica(state) if replicas is None else replicas.full
-        return split_attention(state, replica, graph, edges, kept, lambda node: target(keys[node]), selected, qk,
+        if written_out:
+            head_gradients = backward.head_gradients
+        else:
+            head_gradients = functools.partial(_head_gradients, replicas.full)
+        return split_attention(state, head_gradients, graph, edges, kept, lambda node: target(keys[node]), selected, qk,
                                batch_size, track)
+
+
+def _head_gradients(replica: Replica, targets: list[Target]) -> list[Tensor]:
+    """Autograd's gradients of `targets` at each layer's head outputs, over the frozen forward."""
+    return replica.head_gradients(*directions(replica, targets))
 
 
 def _active_encoders(transcoders, active: Tensor, dtype: torch.dtype) -> dict[tuple[int, int], Tensor]:

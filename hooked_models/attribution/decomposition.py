@@ -152,12 +152,13 @@ def _writes_but(prompt: Prompt, excluded: Sequence[Component]) -> tuple[Tensor, 
             writes[c.layer, c.pos] = 0
         else:
             keep[c.index] = False
-    for start, _, counts, decoders in prompt.feature_writes():
+    for start, _, counts, decoders, where in prompt.feature_writes():
         rows = torch.arange(start, start + sum(counts), device=keep.device)
         rows = rows[keep[rows]]
         scaled = prompt.activations[rows].double()[:, None]
         for target, rows_at in decoders.items():
-            writes[target].index_add_(0, prompt.active[rows, 1], scaled * rows_at[rows - start].double())
+            at = where[rows - start].to(rows_at.device)
+            writes[target].index_add_(0, prompt.active[rows, 1], scaled * rows_at.flatten(0, 1)[at].double())
     return embedding.to(dtype), writes.to(dtype)
 
 

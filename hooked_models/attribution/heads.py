@@ -15,18 +15,17 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from hooked_models.attribution.replacement import Replica
 
-
-def target_gradients(replica: Replica, grads_of, n_targets: int, batch_size: int, on_batch=None) -> list[Tensor]:
+def target_gradients(gradients_of, n_targets: int, batch_size: int, on_batch=None) -> list[Tensor]:
     """Each target's gradient at each layer's head outputs, per layer as [head target (seq head_dim)] (one
     matrix per head, the layout the loadings multiply in), each batch written in place: the gradients are
-    held once, never beside a concatenated or permuted copy. `grads_of(start, stop)` gives the input
-    directions (`targets.directions`) of targets [start, stop)."""
+    held once, never beside a concatenated or permuted copy. `gradients_of(start, stop)` gives those of
+    targets [start, stop), [batch seq head head_dim] per layer (`Replica.head_gradients` of their
+    directions, or `LinearBackward.head_gradients`)."""
     per_layer: list[Tensor] = []
     for start in range(0, n_targets, batch_size):
         stop = min(start + batch_size, n_targets)
-        grads = replica.head_gradients(*grads_of(start, stop))
+        grads = gradients_of(start, stop)
         if not per_layer:
             per_layer = [g.new_zeros(g.shape[2], n_targets, g.shape[1] * g.shape[3], device="cpu") for g in grads]
         for layer, g in enumerate(grads):  # g [batch seq head head_dim]

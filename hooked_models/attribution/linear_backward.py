@@ -11,8 +11,7 @@ top, with G the gradient at the block's output [batch pos hidden_size] and c = w
     at each head's mix, then its values: z = g_h @ W_O;  v_j = sum over query heads h of group j: A_h^T z_h
     at the block's input:                g_h + (v @ W_V) * c1
 
-(each norm's weight folded into the matrix before it, W_skip * w2 and W_V * w1, its scale divided per
-position)
+(c: each norm's weight over its frozen scale at the position)
 
 and above the top block, a logit target's direction @ W_U * c_final at its position. Autograd over one
 frozen forward runs every target of a batch through every layer and position of its replica; here a
@@ -77,12 +76,13 @@ class LinearBackward:
         self.blocks = []
         for l, layer in enumerate(model.layers):
             attn, w1, w2 = layer.self_attn, layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-            # Each norm's weight folded into the matrix its gradient leaves by, its frozen scale per position.
-            inv1 = 1 / constants[f"layers.{l}.input_layernorm.norm_scale"][0]  # [seq 1]
+            # Each norm: its weight, and 1 / its frozen scale per position [seq 1]. The model's matrices as
+            # they are (no folded copies: a copy of every skip would be layers x d_in x d_out more memory).
+            inv1 = 1 / constants[f"layers.{l}.input_layernorm.norm_scale"][0]
             inv2 = 1 / constants[f"layers.{l}.post_attention_layernorm.norm_scale"][0]
             pattern = constants[f"layers.{l}.self_attn.attention_probabilities"][0]  # [head seq seq]
-            skip = tcs.skip_weight(l).detach() * w2 if tcs.has_skip else None  # [d_out d_in]
-            self.blocks.append((inv1, inv2, w2, pattern, attn.o_proj.weight.detach(), attn.v_proj.weight.detach() * w1,
+            skip = tcs.skip_weight(l).detach() if tcs.has_skip else None  # [d_out d_in]
+            self.blocks.append((inv1, inv2, w1, w2, pattern, attn.o_proj.weight.detach(), attn.v_proj.weight.detach(),
                                 skip, attn.num_kv_heads, attn.groups, attn.head_dim))
         self.final = model.norm.weight.detach() / constants["norm.norm_scale"][0]  # [seq hidden_size]
         self.unembedding = model.lm_head.weight.detach()  # [vocab hidden_size]
@@ -96,12 +96,12 @@ class LinearBackward:
         these, so position 0 is never carried through the position-by-position products."""
         x, values = self.prompt.embedding[0].to(self.final.dtype), []
         with torch.no_grad():
-            for inv1, inv2, _, pattern, w_o, w_v, skip, kv, groups, head_dim in self.blocks:
-                v = (x @ w_v.T) * inv1[0]  # w_v holds the input norm's weight
+            for inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim in self.blocks:
+                v = ((x * w1) @ w_v.T) * inv1[0]
                 values.append(v.view(kv, head_dim))
                 mixed = (pattern[:, 0, 0].view(kv, groups, 1) * v.view(kv, 1, head_dim)).flatten()
                 h = x + mixed @ w_o.T
-                x = h if skip is None else h + (h * inv2[0]) @ skip.T  # skip holds the MLP norm's weight
+                x = h if skip is None else h + (h * w2 * inv2[0]) @ skip.T
             return values
 
     def rows(self, targets: Sequence, out: Tensor | None = None) -> Float[Tensor, "target source"]:
@@ -122,9 +122,24 @@ class LinearBackward:
                 rows[:, rows.shape[1] - seq] = zero_edges.to(rows.dtype)  # position 0's embedding
             return rows
 
-    def _gradients(self, targets: Sequence, tops: list[int], n: int, first: int) -> tuple[list[Tensor | None], Tensor]:
+    def head_gradients(self, targets: Sequence) -> list[Tensor]:
+        """The targets' gradients at each layer's head outputs (`attention_head_outputs`), [batch seq head
+        head_dim] per layer, as `Replica.head_gradients` gives them (position 0 carried: its heads too)."""
+        n_layers, seq = len(self.blocks), self.prompt.tokens.shape[1]
+        tops = [n_layers if t.layer is None else t.layer for t in targets]
+        if tops != sorted(tops):
+            raise ValueError(f"targets by layer {tops}: the written-out backward takes them ordered by layer")
+        _, _, _, _, _, w_o, _, _, kv, groups, head_dim = self.blocks[0]
+        heads = [w_o.new_zeros(len(targets), seq, kv * groups, head_dim) for _ in range(n_layers)]
+        with torch.no_grad():
+            self._gradients(targets, tops, max(t.pos for t in targets) + 1, 0, heads)
+        return heads
+
+    def _gradients(self, targets: Sequence, tops: list[int], n: int, first: int, heads: list | None = None
+                   ) -> tuple[list[Tensor | None], Tensor]:
         """The gradients at the leaves [batch n hidden_size]: the stream entering layer 0, each MLP output;
-        from position `first` on (1: position 0 not carried, its embedding's edges returned beside them)."""
+        from position `first` on (1: position 0 not carried, its embedding's edges returned beside them).
+        `heads`: per layer a zero [batch seq head head_dim], the gradients at the head outputs written in."""
         n_layers, batch = len(self.blocks), len(targets)
         c = self.final
         dtype, device = c.dtype, c.device
@@ -138,66 +153,92 @@ class LinearBackward:
             at = position[first_logit:]
             g[torch.arange(first_logit, batch, device=device), at] = (directions @ self.unembedding) * c[at]
         leaves: list[Tensor | None] = [None] * n_layers
+        factors, above = None, batch  # the last fresh targets' factors, and where the older ones start
         for l in reversed(range(n_layers)):
             # Targets whose gradient has passed an attention layer ([mid:]), and those meeting their first
-            # ([start:mid]: this layer's features, and at the top block the logits), one position each.
+            # ([start:mid]: this layer's features, and at the top block the logits), one position each; of
+            # the first, [mid:above] met theirs at the block above (its factors, where they pay).
             start = next((i for i, top in enumerate(tops) if top >= l), batch)
             mid = next((i for i, top in enumerate(tops) if min(top, n_layers - 1) > l), batch)
             if start == batch:
                 continue
             leaves[l] = g
             below = torch.zeros_like(g)
-            if mid < batch:
-                below[mid:], zero_edges[mid:] = self._through_block(l, g[mid:], position[mid:], n, first, zero_edges[mid:])
+            head = (lambda a, b: None) if heads is None else (lambda a, b: heads[l][a:b])
+            split = mid
+            if factors is not None and mid < above and self._factors_pay(position[mid:above], first):
+                split = above
+                below[mid:above], zero_edges[mid:above] = self._through_block_from_factors(
+                    l, g[mid:above], *factors, position[mid:above], n, first, zero_edges[mid:above], head(mid, above))
+            if split < batch:
+                below[split:], zero_edges[split:] = self._through_block(
+                    l, g[split:], position[split:], n, first, zero_edges[split:], head(split, batch))
+            factors = None
             if start < mid:
                 fresh = range(start, mid)
                 injected = [(i - start, t.direction) for i, t in zip(fresh, targets[start:mid]) if tops[i] == l]
-                below[start:mid], zero_edges[start:mid] = self._through_block_from_one_position(
-                    l, g[start:mid], position[start:mid], injected, n, first, zero_edges[start:mid])
-            g = below
+                below[start:mid], zero_edges[start:mid], factors = self._through_block_from_one_position(
+                    l, g[start:mid], position[start:mid], injected, n, first, zero_edges[start:mid], head(start, mid))
+            g, above = below, mid
         return [g, *leaves], zero_edges
 
-    def _through_block(self, l: int, g: Tensor, position: Tensor, n: int, first: int, zero_edges: Tensor
-                       ) -> tuple[Tensor, Tensor]:
+    def _factors_pay(self, position: Tensor, first: int) -> bool:
+        """Whether targets one block below their first take the factored products: per target (heads + 1)
+        skip products and twice as many output projections, against one of each per position carried."""
+        _, _, _, _, _, w_o, _, skip, kv, groups, head_dim = self.blocks[0]
+        rank, d, width = kv * groups + 1, w_o.shape[0], w_o.shape[1]
+        carried = float((position + 1 - first).sum())
+        dense = carried * (d * width + (0 if skip is None else skip.numel()))
+        factored = len(position) * rank * ((2 if skip is not None else 1) * d * width + (0 if skip is None else skip.numel()))
+        return factored < dense
+
+    def _through_block(self, l: int, g: Tensor, position: Tensor, n: int, first: int, zero_edges: Tensor,
+                       heads: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Block l's transpose for gradients g [batch n hidden_size] at its output: at its input. The
         products position by position run over each target's positions `first` ... its own (the rest are
         zero: nothing later reaches it), packed [(target, position) hidden_size]; only the mix is padded.
         With `first`, the value gradients at position 0 dotted with its embedding's values, added to
-        `zero_edges`."""
-        inv1, inv2, _, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        `zero_edges`. `heads` [batch seq head head_dim]: the gradients at the head outputs, written in."""
+        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
         counts = position + 1 - first
         target = torch.repeat_interleave(torch.arange(batch, device=g.device), counts)
         at = (torch.arange(int(counts.sum()), device=g.device) + first
               - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
         packed = g[target, at]
-        g_h = packed if skip is None else torch.addcmul(packed, packed @ skip, inv2[at])
+        g_h = packed if skip is None else torch.addcmul(packed, (packed @ skip) * w2, inv2[at])
         z = g.new_zeros(batch, n, kv * groups * head_dim)
         z[target, at] = g_h @ w_o
+        if heads is not None:
+            heads[:, :n] = z.view(batch, n, kv * groups, head_dim)
         z = z.view(batch, n, kv * groups, head_dim).transpose(1, 2)  # [batch head n head_dim]
         v = torch.matmul(pattern[:, :n, :n].transpose(-1, -2), z)  # [batch head n head_dim]
         v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)  # [batch n kv_head head_dim]
         if first:
             zero_edges = zero_edges + (v[:, 0] * self.zero_values[l]).flatten(1).sum(-1)
         below = torch.zeros_like(g)
-        below[target, at] = torch.addcmul(g_h, v[target, at].flatten(1) @ w_v, inv1[at])
+        below[target, at] = torch.addcmul(g_h, (v[target, at].flatten(1) @ w_v) * w1, inv1[at])
         return below, zero_edges
 
     def _through_block_from_one_position(self, l: int, g: Tensor, position: Tensor, injected: list, n: int,
-                                         first: int, zero_edges: Tensor) -> tuple[Tensor, Tensor]:
+                                         first: int, zero_edges: Tensor, heads: Tensor | None = None
+                                         ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """Block l's transpose for gradients g [batch n hidden_size] that are nonzero only at each target's
         position (plus `injected`: (row, direction) at the MLP input there): per head, the vector
         (g_h[p] @ W_O_h) @ W_V_h, spread over the positions by row p of the head's pattern (from `first`;
-        position 0's share, with `first`, dotted with its embedding's values into `zero_edges`)."""
-        inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        position 0's share, with `first`, dotted with its embedding's values into `zero_edges`). Also returns
+        the gradient below in factors, for `_through_block_from_factors` at the next block down."""
+        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
         rows = torch.arange(batch, device=g.device)
         at = g[rows, position]  # [batch hidden_size]
         into_mlp = torch.zeros_like(at) if skip is None else at @ skip
         for row, direction in injected:
-            into_mlp[row] += direction.to(into_mlp.dtype) * w2
-        g_h = torch.addcmul(at, into_mlp, inv2[position])
+            into_mlp[row] += direction.to(into_mlp.dtype)
+        g_h = torch.addcmul(at, into_mlp * w2, inv2[position])
         z = (g_h @ w_o).view(batch, kv, groups, head_dim)
+        if heads is not None:
+            heads[rows, position] = z.view(batch, kv * groups, head_dim)
         per_head = torch.einsum("bkge,ked->bkgd", z, w_v.view(kv, head_dim, -1)).reshape(batch, kv * groups, -1)
         spread = pattern[:, position, :n].permute(1, 2, 0)  # [batch n head]: row p of each head's pattern
         if first:
@@ -205,6 +246,39 @@ class LinearBackward:
             zero_edges = zero_edges + (spread[:, 0] * reads).sum(-1)
             spread = spread.clone()
             spread[:, 0] = 0
-        below = torch.bmm(spread, per_head) * inv1[:n]
-        below[rows, position] += g_h
+        # The gradient below as coefficients [batch n head+1] of vectors [batch head+1 hidden_size]: each
+        # head's vector spread by the pattern's row (over the norm's scale), and g_h at the position.
+        coefficients = torch.cat([spread * inv1[:n], torch.zeros_like(spread[..., :1])], -1)
+        coefficients[rows, position, -1] = 1
+        vectors = torch.cat([per_head * w1, g_h[:, None]], 1)
+        below = torch.bmm(coefficients, vectors)
+        return below, zero_edges, (coefficients, vectors)
+
+    def _through_block_from_factors(self, l: int, g: Tensor, coefficients: Tensor, vectors: Tensor, position: Tensor,
+                                    n: int, first: int, zero_edges: Tensor, heads: Tensor | None = None
+                                    ) -> tuple[Tensor, Tensor]:
+        """`_through_block` for targets one block below their first, whose gradient g is the block above's
+        `coefficients @ vectors` (head + 1 vectors each): the skip and output projections of the vectors,
+        not of every position (fewer products where a target carries more positions than twice its heads)."""
+        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        batch = g.shape[0]
+        if skip is None:
+            g_h, z = g, coefficients @ (vectors @ w_o)
+        else:
+            skipped = (vectors @ skip) * w2  # [batch head+1 d_in]
+            g_h = g + (coefficients @ skipped) * inv2[:n]
+            z = coefficients @ (vectors @ w_o) + (coefficients @ (skipped @ w_o)) * inv2[:n]
+        if heads is not None:
+            heads[:, :n] = z.view(batch, n, kv * groups, head_dim)
+        z = z.view(batch, n, kv * groups, head_dim).transpose(1, 2)  # [batch head n head_dim]
+        v = torch.matmul(pattern[:, :n, :n].transpose(-1, -2), z)
+        v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)  # [batch n kv_head head_dim]
+        if first:
+            zero_edges = zero_edges + (v[:, 0] * self.zero_values[l]).flatten(1).sum(-1)
+        counts = position + 1 - first
+        target = torch.repeat_interleave(torch.arange(batch, device=g.device), counts)
+        at = (torch.arange(int(counts.sum()), device=g.device) + first
+              - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
+        below = torch.zeros_like(g)
+        below[target, at] = torch.addcmul(g_h[target, at], (v[target, at].flatten(1) @ w_v) * w1, inv1[at])
         return below, zero_edges

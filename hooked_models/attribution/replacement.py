@@ -111,11 +111,13 @@ class Prompt:
         self._writes = None
         self.activations = acts[tuple(active.T)]
 
-    def feature_writes(self) -> list[tuple[int, list[int], list[int], dict[int, Tensor]]]:
-        """Per layer, where its features write, for `Replica._rows_of` and the decomposition: the first
-        of its rows in `active` (nonzero() ordered them by layer, then position), the positions that have
-        active features, how many rows each has, and for each layer t written, the features' decoder
-        rows at t [feature d_out], in `active`'s order.
+    def feature_writes(self) -> list[tuple[int, list[int], list[int], dict[int, Tensor], Tensor]]:
+        """Per layer, where its features write, for `rows_of` and the decomposition: the first of its rows
+        in `active` (nonzero() ordered them by layer, then position), the positions that have active
+        features, how many rows each has, for each layer t written the features' decoder rows at t laid out
+        [position most d_out] (each position's rows in `active`'s order, padded with zeros to the most any
+        position has: one batched product per layer reads them), and where each of the layer's rows sits
+        in that layout flattened ([position x most]).
         Computed once per prompt (every backward pass reads them)."""
         if self._writes is None:
             tcs, dtype = self.transcoders, self.errors.dtype
@@ -125,15 +127,24 @@ class Prompt:
                 start = int(rows[0]) if rows.numel() else 0
                 pos, ids = self.active[rows, 1], self.active[rows, 2]
                 positions, counts = pos.unique_consecutive(return_counts=True)
-                decoders = {t: tcs.decoder_rows(layer, t, ids).to(dtype)
-                            for t in (written_layers(tcs, layer) if rows.numel() else ())}
-                self._writes.append((start, positions.tolist(), counts.tolist(), decoders))
+                most = int(counts.max()) if rows.numel() else 0
+                first = counts.cumsum(0) - counts
+                where = (torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts) * most
+                         + torch.arange(len(rows), device=counts.device) - torch.repeat_interleave(first, counts))
+                decoders = {}
+                for t in (written_layers(tcs, layer) if rows.numel() else ()):
+                    compact = tcs.decoder_rows(layer, t, ids).to(dtype)
+                    decoders[t] = compact.new_zeros(len(counts) * most, compact.shape[-1])
+                    decoders[t][where.to(compact.device)] = compact
+                    decoders[t] = decoders[t].view(len(counts), most, -1)
+                    del compact
+                self._writes.append((start, positions.tolist(), counts.tolist(), decoders, where))
         return self._writes
 
     def decoder_row(self, index: int, target: int) -> Tensor:
         """Active feature `index`'s decoder row into layer `target`'s MLP output (from `feature_writes`)."""
-        start, _, _, decoders = self.feature_writes()[int(self.active[index, 0])]
-        return decoders[target][index - start]
+        start, _, _, decoders, where = self.feature_writes()[int(self.active[index, 0])]
+        return decoders[target].flatten(0, 1)[where[index - start]]
 
     def salient_logits(self, desired_logit_prob: float, max_n_logits: int) -> tuple[Tensor, Tensor]:
         """The most probable next tokens until their probabilities reach `desired_logit_prob`, at most
@@ -325,19 +336,20 @@ def rows_of(prompt: Prompt, length: int, grads: Sequence[Tensor | None], out: Te
     for layer, g in enumerate(g_out):
         if g is not None:
             errors[:, layer, :length] = torch.einsum("bsd,sd->bs", g, prompt.errors[layer, :length])
-    for layer, (start, positions, counts, decoders) in enumerate(prompt.feature_writes()):
+    for layer, (start, positions, counts, padded, where) in enumerate(prompt.feature_writes()):
         k = bisect.bisect_left(positions, length)  # the positions inside the prefix
         stop = start + sum(counts[:k])
-        # One matrix product per position (nonzero() ordered the rows by position): gathering the
-        # gradient at each feature's position would copy [batch feature hidden_size], 10x slower.
-        # Summed over the layers written in place (from zero: the sum's order and bits as before).
+        # One batched product per layer written, over the positions with features (nonzero() ordered the
+        # rows by position), each position's decoder rows padded to the most any has: gathering the
+        # gradient at each feature's position would copy [batch feature hidden_size], 10x slower, and a
+        # product per position was thousands of small ones. Summed over the layers written in place.
         reached = False
-        for t, rows_t in decoders.items():
+        for t, block in padded.items():
             if k and g_out[t] is not None:
-                reached, at = True, start
-                for p, d in zip(positions[:k], rows_t[:stop - start].split(counts[:k])):
-                    features[:, at:at + len(d)] += g_out[t][:, p] @ d.T
-                    at += len(d)
+                reached = True
+                g = g_out[t][:, positions[:k]].permute(1, 2, 0)  # [position d_out batch]
+                products = torch.bmm(block[:k], g).flatten(0, 1)  # [(position most) batch]
+                features[:, start:stop] += products[where[:stop - start].to(products.device)].T
         if reached:
             features[:, start:stop] *= prompt.activations[start:stop]
     return rows

@@ -52,8 +52,11 @@ def chunks(targets: list) -> list[list]:
     return [targets, targets[::3], targets[1::5], targets[-3:], targets[len(targets) // 2:len(targets) // 2 + 1]]
 
 
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "dense"])
 @pytest.mark.parametrize("skip", [True, False], ids=["skip", "no_skip"])
-def test_the_written_out_rows_are_autograds(arcee, skip):
+def test_the_written_out_rows_are_autograds(arcee, skip, factored, monkeypatch):
+    """Both ways through the block below a target's first: the factored products and the dense ones."""
+    monkeypatch.setattr(LinearBackward, "_factors_pay", lambda self, position, first: factored)
     tcs = transcoders(arcee, skip)
     tokens = prompt_tokens(arcee, torch.randint(0, arcee.cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(5)))
     state = Prompt(arcee, tokens, tcs, keep_position_zero=False)
@@ -66,6 +69,27 @@ def test_the_written_out_rows_are_autograds(arcee, skip):
         assert got.shape == expected.shape and expected.abs().max() > 0
         # the same sums in other orders: float32 rounding (2e-7 of the largest entry here)
         assert float((got - expected).abs().max()) <= 1e-6 * float(expected.abs().max())
+
+
+@pytest.mark.parametrize("keep_position_zero", [False, True])
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "dense"])
+def test_the_written_out_head_gradients_are_autograds(arcee, keep_position_zero, factored, monkeypatch):
+    """The gradients at every layer's head outputs (what head loadings multiply), position 0's included."""
+    from hooked_models.attribution.targets import directions
+
+    monkeypatch.setattr(LinearBackward, "_factors_pay", lambda self, position, first: factored)
+    tcs = transcoders(arcee, True)
+    tokens = prompt_tokens(arcee, torch.randint(0, arcee.cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(8)))
+    state = Prompt(arcee, tokens, tcs, keep_position_zero=keep_position_zero)
+    written, autograd = LinearBackward(state), Replica(state)
+    for i, chunk in enumerate(chunks(every_target(arcee, state, tcs))):
+        got, expected = written.head_gradients(chunk), autograd.head_gradients(*directions(autograd, chunk))
+        assert len(got) == len(expected) == arcee.cfg.num_layers
+        largest = max(float(e.abs().max()) for e in expected)
+        assert largest > 0 and all(g.shape == e.shape for g, e in zip(got, expected))
+        assert max(float((g - e).abs().max()) for g, e in zip(got, expected)) <= 1e-6 * largest
+        if i == 0:  # every target: position 0's heads below the top layer are reached too
+            assert float(expected[0][:, 0].abs().max()) > 0
 
 
 def test_the_written_out_rows_in_float32_are_float64_autograds_within_1e_5(arcee):
