@@ -34,7 +34,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from hooked_models.attribution.replacement import Prompt, rows_of
-from hooked_models.hooks import ValueHook
 
 
 def refusal(model, transcoders) -> str | None:
@@ -43,6 +42,7 @@ def refusal(model, transcoders) -> str | None:
     from hooked_models.components.block import PreNormBlock
     from hooked_models.components.norms import RMSNorm
     from hooked_models.families.arcee import HookedArcee
+    from hooked_models.hooks import ValueHook  # (imports TransformerLens: only when a model is given)
     from hooked_models.transcoders import TranscoderSet
 
     if type(model) is not HookedArcee:
