@@ -107,10 +107,7 @@ class LinearBackward:
     def rows(self, targets: Sequence, out: Tensor | None = None) -> Float[Tensor, "target source"]:
         """The targets' rows (each a `targets.Target`): features, errors, embeddings; into `out` where given.
         The targets must be ordered by layer (the logits' last), as `attribute`'s chunks are."""
-        n_layers = len(self.blocks)
-        tops = [n_layers if t.layer is None else t.layer for t in targets]
-        if tops != sorted(tops):
-            raise ValueError(f"targets by layer {tops}: the written-out backward takes them ordered by layer")
+        tops = self._tops(targets)
         n = max(t.pos for t in targets) + 1
         # Position 0 left out of the products where its embedding is its one node and no target reads it.
         first = int(self.zero_values is not None and min(t.pos for t in targets) > 0)
@@ -122,13 +119,19 @@ class LinearBackward:
                 rows[:, rows.shape[1] - seq] = zero_edges.to(rows.dtype)  # position 0's embedding
             return rows
 
+    def _tops(self, targets: Sequence) -> list[int]:
+        """Each target's layer (the logits': the layer count), refused unless ascending."""
+        n_layers = len(self.blocks)
+        tops = [n_layers if t.layer is None else t.layer for t in targets]
+        if tops != sorted(tops):
+            raise ValueError(f"targets by layer {tops}: the written-out backward takes them ordered by layer")
+        return tops
+
     def head_gradients(self, targets: Sequence) -> list[Tensor]:
         """The targets' gradients at each layer's head outputs (`attention_head_outputs`), [batch seq head
         head_dim] per layer, as `Replica.head_gradients` gives them (position 0 carried: its heads too)."""
         n_layers, seq = len(self.blocks), self.prompt.tokens.shape[1]
-        tops = [n_layers if t.layer is None else t.layer for t in targets]
-        if tops != sorted(tops):
-            raise ValueError(f"targets by layer {tops}: the written-out backward takes them ordered by layer")
+        tops = self._tops(targets)
         _, _, _, _, _, w_o, _, _, kv, groups, head_dim = self.blocks[0]
         heads = [w_o.new_zeros(len(targets), seq, kv * groups, head_dim) for _ in range(n_layers)]
         with torch.no_grad():
@@ -201,24 +204,32 @@ class LinearBackward:
         `zero_edges`. `heads` [batch seq head head_dim]: the gradients at the head outputs, written in."""
         inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
-        counts = position + 1 - first
-        target = torch.repeat_interleave(torch.arange(batch, device=g.device), counts)
-        at = (torch.arange(int(counts.sum()), device=g.device) + first
-              - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
+        target, at = _packed(position, first)
         packed = g[target, at]
         g_h = packed if skip is None else torch.addcmul(packed, (packed @ skip) * w2, inv2[at])
         z = g.new_zeros(batch, n, kv * groups * head_dim)
         z[target, at] = g_h @ w_o
+        v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
+        below = torch.zeros_like(g)
+        below[target, at] = torch.addcmul(g_h, (v[target, at].flatten(1) @ w_v) * w1, inv1[at])
+        return below, zero_edges
+
+    def _mixed(self, l: int, z: Tensor, n: int, first: int, zero_edges: Tensor, heads: Tensor | None
+               ) -> tuple[Tensor, Tensor]:
+        """From the gradients z [batch n (head head_dim)] at block l's head outputs (written into `heads`
+        where given), those at its values [batch n kv_head head_dim]: each head's pattern transposed, summed
+        over each key/value head's group; with `first`, position 0's dotted with its embedding's values
+        and added to `zero_edges`."""
+        pattern, kv, groups, head_dim = self.blocks[l][4], *self.blocks[l][8:]
+        batch = z.shape[0]
         if heads is not None:
             heads[:, :n] = z.view(batch, n, kv * groups, head_dim)
         z = z.view(batch, n, kv * groups, head_dim).transpose(1, 2)  # [batch head n head_dim]
         v = torch.matmul(pattern[:, :n, :n].transpose(-1, -2), z)  # [batch head n head_dim]
-        v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)  # [batch n kv_head head_dim]
+        v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)
         if first:
             zero_edges = zero_edges + (v[:, 0] * self.zero_values[l]).flatten(1).sum(-1)
-        below = torch.zeros_like(g)
-        below[target, at] = torch.addcmul(g_h, (v[target, at].flatten(1) @ w_v) * w1, inv1[at])
-        return below, zero_edges
+        return v, zero_edges
 
     def _through_block_from_one_position(self, l: int, g: Tensor, position: Tensor, injected: list, n: int,
                                          first: int, zero_edges: Tensor, heads: Tensor | None = None
@@ -268,17 +279,17 @@ class LinearBackward:
             skipped = (vectors @ skip) * w2  # [batch head+1 d_in]
             g_h = g + (coefficients @ skipped) * inv2[:n]
             z = coefficients @ (vectors @ w_o) + (coefficients @ (skipped @ w_o)) * inv2[:n]
-        if heads is not None:
-            heads[:, :n] = z.view(batch, n, kv * groups, head_dim)
-        z = z.view(batch, n, kv * groups, head_dim).transpose(1, 2)  # [batch head n head_dim]
-        v = torch.matmul(pattern[:, :n, :n].transpose(-1, -2), z)
-        v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)  # [batch n kv_head head_dim]
-        if first:
-            zero_edges = zero_edges + (v[:, 0] * self.zero_values[l]).flatten(1).sum(-1)
-        counts = position + 1 - first
-        target = torch.repeat_interleave(torch.arange(batch, device=g.device), counts)
-        at = (torch.arange(int(counts.sum()), device=g.device) + first
-              - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
+        v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
+        target, at = _packed(position, first)
         below = torch.zeros_like(g)
         below[target, at] = torch.addcmul(g_h[target, at], (v[target, at].flatten(1) @ w_v) * w1, inv1[at])
         return below, zero_edges
+
+
+def _packed(position: Tensor, first: int) -> tuple[Tensor, Tensor]:
+    """(target, position) of every position each target carries, `first` ... its own, in order."""
+    counts = position + 1 - first
+    target = torch.repeat_interleave(torch.arange(len(position), device=position.device), counts)
+    at = (torch.arange(int(counts.sum()), device=position.device) + first
+          - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
+    return target, at

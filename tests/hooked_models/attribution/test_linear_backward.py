@@ -47,6 +47,12 @@ def every_target(model, state, tcs, seed: int = 1) -> list[Target]:
     return sorted(targets, key=lambda t: (model.cfg.num_layers if t.layer is None else t.layer, t.pos))
 
 
+def random_prompt(model, tcs, length: int, seed: int, keep_position_zero: bool = True) -> Prompt:
+    """The replacement model of a random prompt of `length` tokens."""
+    ids = torch.randint(0, model.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+    return Prompt(model, prompt_tokens(model, ids), tcs, keep_position_zero=keep_position_zero)
+
+
 def chunks(targets: list) -> list[list]:
     """The whole list, strided subsets (layers and positions mixed), the logits alone, one feature alone."""
     return [targets, targets[::3], targets[1::5], targets[-3:], targets[len(targets) // 2:len(targets) // 2 + 1]]
@@ -58,8 +64,7 @@ def test_the_written_out_rows_are_autograds(arcee, skip, factored, monkeypatch):
     """Both ways through the block below a target's first: the factored products and the dense ones."""
     monkeypatch.setattr(LinearBackward, "_factors_pay", lambda self, position, first: factored)
     tcs = transcoders(arcee, skip)
-    tokens = prompt_tokens(arcee, torch.randint(0, arcee.cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(5)))
-    state = Prompt(arcee, tokens, tcs, keep_position_zero=False)
+    state = random_prompt(arcee, tcs, 11, 5, keep_position_zero=False)
     assert refusal(arcee, tcs) is None
     written, autograd = LinearBackward(state), Replica(state)
     targets = every_target(arcee, state, tcs)
@@ -79,8 +84,7 @@ def test_the_written_out_head_gradients_are_autograds(arcee, keep_position_zero,
 
     monkeypatch.setattr(LinearBackward, "_factors_pay", lambda self, position, first: factored)
     tcs = transcoders(arcee, True)
-    tokens = prompt_tokens(arcee, torch.randint(0, arcee.cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(8)))
-    state = Prompt(arcee, tokens, tcs, keep_position_zero=keep_position_zero)
+    state = random_prompt(arcee, tcs, 10, 8, keep_position_zero)
     written, autograd = LinearBackward(state), Replica(state)
     for i, chunk in enumerate(chunks(every_target(arcee, state, tcs))):
         got, expected = written.head_gradients(chunk), autograd.head_gradients(*directions(autograd, chunk))
