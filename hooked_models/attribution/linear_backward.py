@@ -207,8 +207,9 @@ class LinearBackward:
         target, at = _packed(position, first)
         packed = g[target, at]
         g_h = packed if skip is None else torch.addcmul(packed, (packed @ skip) * w2, inv2[at])
-        z = g.new_zeros(batch, n, kv * groups * head_dim)
-        z[target, at] = g_h @ w_o
+        # Written straight into the mix's layout [kv_head group n batch head_dim], seen as [batch n ...].
+        z = g.new_zeros(kv, groups, n, batch, head_dim).permute(3, 2, 0, 1, 4)
+        z[target, at] = (g_h @ w_o).view(-1, kv, groups, head_dim)
         v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
         below = torch.zeros_like(g)
         below[target, at] = torch.addcmul(g_h, (v[target, at].flatten(1) @ w_v) * w1, inv1[at])
@@ -216,17 +217,18 @@ class LinearBackward:
 
     def _mixed(self, l: int, z: Tensor, n: int, first: int, zero_edges: Tensor, heads: Tensor | None
                ) -> tuple[Tensor, Tensor]:
-        """From the gradients z [batch n (head head_dim)] at block l's head outputs (written into `heads`
-        where given), those at its values [batch n kv_head head_dim]: each head's pattern transposed, summed
-        over each key/value head's group; with `first`, position 0's dotted with its embedding's values
-        and added to `zero_edges`."""
+        """From the gradients z [batch n kv_head group head_dim] at block l's head outputs (written into
+        `heads` where given), those at its values [batch n kv_head head_dim]: each head's pattern
+        transposed, summed over each key/value head's group, as one product per key/value head (its
+        group's patterns side by side, [n (group n)], times their gradients [(group n) (batch head_dim)]);
+        with `first`, position 0's dotted with its embedding's values and added to `zero_edges`."""
         pattern, kv, groups, head_dim = self.blocks[l][4], *self.blocks[l][8:]
         batch = z.shape[0]
         if heads is not None:
-            heads[:, :n] = z.view(batch, n, kv * groups, head_dim)
-        z = z.view(batch, n, kv * groups, head_dim).transpose(1, 2)  # [batch head n head_dim]
-        v = torch.matmul(pattern[:, :n, :n].transpose(-1, -2), z)  # [batch head n head_dim]
-        v = v.view(batch, kv, groups, n, head_dim).sum(2).transpose(1, 2)
+            heads[:, :n].unflatten(2, (kv, groups)).copy_(z)
+        mix = pattern[:, :n, :n].reshape(kv, groups, n, n).permute(0, 3, 1, 2).reshape(kv, n, groups * n)
+        v = torch.bmm(mix, z.permute(2, 3, 1, 0, 4).reshape(kv, groups * n, batch * head_dim))
+        v = v.view(kv, n, batch, head_dim).permute(2, 1, 0, 3)  # [batch n kv_head head_dim]
         if first:
             zero_edges = zero_edges + (v[:, 0] * self.zero_values[l]).flatten(1).sum(-1)
         return v, zero_edges
@@ -279,6 +281,7 @@ class LinearBackward:
             skipped = (vectors @ skip) * w2  # [batch head+1 d_in]
             g_h = g + (coefficients @ skipped) * inv2[:n]
             z = coefficients @ (vectors @ w_o) + (coefficients @ (skipped @ w_o)) * inv2[:n]
+        z = z.view(batch, n, kv, groups, head_dim)
         v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
         target, at = _packed(position, first)
         below = torch.zeros_like(g)
