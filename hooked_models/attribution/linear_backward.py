@@ -27,13 +27,13 @@ Same sums as autograd's, in other orders: the rows agree to float32 rounding
 `attribute` then runs autograd's backward over replicas, which serves every model.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from hooked_models.attribution.replacement import Prompt, rows_of
+from hooked_models.attribution.replacement import Prompt, RowWriter
 
 
 def refusal(model, transcoders) -> str | None:
@@ -112,8 +112,9 @@ class LinearBackward:
         # Position 0 left out of the products where its embedding is its one node and no target reads it.
         first = int(self.zero_values is not None and min(t.pos for t in targets) > 0)
         with torch.no_grad():
-            grads, zero_edges = self._gradients(targets, tops, n, first)
-            rows = rows_of(self.prompt, n, grads, out)[:len(targets)]
+            writer = RowWriter(self.prompt, n, len(targets), self.final.device, out)
+            zero_edges = self._gradients(targets, tops, n, first, writer.add)
+            rows = writer.done()[:len(targets)]
             if first:
                 n_layers, seq = self.prompt.errors.shape[:2]
                 rows[:, rows.shape[1] - seq] = zero_edges.to(rows.dtype)  # position 0's embedding
@@ -135,13 +136,14 @@ class LinearBackward:
         _, _, _, _, _, w_o, _, _, kv, groups, head_dim = self.blocks[0]
         heads = [w_o.new_zeros(len(targets), seq, kv * groups, head_dim) for _ in range(n_layers)]
         with torch.no_grad():
-            self._gradients(targets, tops, max(t.pos for t in targets) + 1, 0, heads)
+            self._gradients(targets, tops, max(t.pos for t in targets) + 1, 0, None, heads)
         return heads
 
-    def _gradients(self, targets: Sequence, tops: list[int], n: int, first: int, heads: list | None = None
-                   ) -> tuple[list[Tensor | None], Tensor]:
-        """The gradients at the leaves [batch n hidden_size]: the stream entering layer 0, each MLP output;
-        from position `first` on (1: position 0 not carried, its embedding's edges returned beside them).
+    def _gradients(self, targets: Sequence, tops: list[int], n: int, first: int,
+                   leaf: Callable[[int, Tensor], None] | None, heads: list | None = None) -> Tensor:
+        """The gradients at the leaves [batch n hidden_size], each handed to `leaf` as made (`RowWriter.add`'s
+        numbering: 0 the stream entering layer 0, l + 1 layer l's MLP output), so that two are held at a
+        time; from position `first` on (1: position 0 not carried, its embedding's edges returned).
         `heads`: per layer a zero [batch seq head head_dim], the gradients at the head outputs written in."""
         n_layers, batch = len(self.blocks), len(targets)
         c = self.final
@@ -155,7 +157,6 @@ class LinearBackward:
             directions = torch.stack([t.direction for t in targets[first_logit:]]).to(dtype=dtype, device=device)
             at = position[first_logit:]
             g[torch.arange(first_logit, batch, device=device), at] = (directions @ self.unembedding) * c[at]
-        leaves: list[Tensor | None] = [None] * n_layers
         factors, above = None, batch  # the last fresh targets' factors, and where the older ones start
         for l in reversed(range(n_layers)):
             # Targets whose gradient has passed an attention layer ([mid:]), and those meeting their first
@@ -165,7 +166,8 @@ class LinearBackward:
             mid = next((i for i, top in enumerate(tops) if min(top, n_layers - 1) > l), batch)
             if start == batch:
                 continue
-            leaves[l] = g
+            if leaf is not None:
+                leaf(l + 1, g)
             below = torch.zeros_like(g)
             head = (lambda a, b: None) if heads is None else (lambda a, b: heads[l][a:b])
             split = mid
@@ -183,7 +185,9 @@ class LinearBackward:
                 below[start:mid], zero_edges[start:mid], factors = self._through_block_from_one_position(
                     l, g[start:mid], position[start:mid], injected, n, first, zero_edges[start:mid], head(start, mid))
             g, above = below, mid
-        return [g, *leaves], zero_edges
+        if leaf is not None:
+            leaf(0, g)
+        return zero_edges
 
     def _factors_pay(self, position: Tensor, first: int) -> bool:
         """Whether targets one block below their first take the factored products: per target (heads + 1)

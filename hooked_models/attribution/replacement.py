@@ -319,40 +319,64 @@ def rows_of(prompt: Prompt, length: int, grads: Sequence[Tensor | None], out: Te
     not reach): the stream entering layer 0, then each MLP output. Each source's write dotted with its
     leaf's gradient, written into `out`'s first columns (zeros: only the nonzero parts are written) or a
     new matrix; the rows are zero past the first `length` positions (a prefix's)."""
-    n, dtype = grads[0].shape[0], prompt.errors.dtype
-    n_layers, seq = prompt.errors.shape[:2]
-    n_active = prompt.active.shape[0]
-    width = n_active + (n_layers + 1) * seq
-    if out is None:
-        rows = torch.zeros(n, width, dtype=dtype, device=grads[0].device)
-    elif out.shape[0] != n or out.shape[1] < width or out.dtype != dtype or out.device != grads[0].device:
-        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; the rows are {dtype} "
-                         f"({n}, {width}) on {grads[0].device}")
-    else:
-        rows = out[:, :width]
-    features, errors = rows[:, :n_active], rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
-    rows[:, n_active + n_layers * seq:][:, :length] = (grads[0].to(dtype) * prompt.embedding[:length]).sum(-1)
-    g_out = [None if g is None else g.to(dtype) for g in grads[1:]]
-    for layer, g in enumerate(g_out):
+    rows = RowWriter(prompt, length, grads[0].shape[0], grads[0].device, out)
+    for leaf, g in enumerate(grads):
         if g is not None:
-            errors[:, layer, :length] = torch.einsum("bsd,sd->bs", g, prompt.errors[layer, :length])
-    for layer, (start, positions, counts, padded, where) in enumerate(prompt.feature_writes()):
-        k = bisect.bisect_left(positions, length)  # the positions inside the prefix
-        stop = start + sum(counts[:k])
-        # One batched product per layer written, over the positions with features (nonzero() ordered the
-        # rows by position), each position's decoder rows padded to the most any has: gathering the
-        # gradient at each feature's position would copy [batch feature hidden_size], 10x slower, and a
-        # product per position was thousands of small ones. Summed over the layers written in place.
-        reached = False
-        for t, block in padded.items():
-            if k and g_out[t] is not None:
-                reached = True
-                g = g_out[t][:, positions[:k]].permute(1, 2, 0)  # [position d_out batch]
-                products = torch.bmm(block[:k], g).flatten(0, 1)  # [(position most) batch]
-                features[:, start:stop] += products[where[:stop - start].to(products.device)].T
-        if reached:
-            features[:, start:stop] *= prompt.activations[start:stop]
-    return rows
+            rows.add(leaf, g)
+    return rows.done()
+
+
+class RowWriter:
+    """`rows_of` one leaf at a time, in any order, each leaf's gradient free to go once `add` returns (a
+    backward pass hands each over as it is made, and holds two gradients, not one per layer)."""
+
+    def __init__(self, prompt: Prompt, length: int, n: int, device, out: Tensor | None = None):
+        dtype = prompt.errors.dtype
+        n_layers, seq = prompt.errors.shape[:2]
+        n_active = prompt.active.shape[0]
+        width = n_active + (n_layers + 1) * seq
+        if out is None:
+            self.rows = torch.zeros(n, width, dtype=dtype, device=device)
+        elif out.shape[0] != n or out.shape[1] < width or out.dtype != dtype or out.device != torch.device(device):
+            raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; the rows are {dtype} "
+                             f"({n}, {width}) on {device}")
+        else:
+            self.rows = out[:, :width]
+        self.prompt, self.length, self.reached = prompt, length, set()
+        self.features = self.rows[:, :n_active]
+        self.errors = self.rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
+        self.embedding = self.rows[:, n_active + n_layers * seq:]
+
+    def add(self, leaf: int, g: Tensor) -> None:
+        """Leaf `leaf`'s gradient [batch >= length d] (0: the stream entering layer 0, l + 1: layer l's
+        MLP output): its sources' columns."""
+        prompt, length = self.prompt, self.length
+        g = g[:, :length].to(prompt.errors.dtype)
+        if leaf == 0:
+            self.embedding[:, :length] = (g * prompt.embedding[:length]).sum(-1)
+            return
+        t = leaf - 1
+        self.errors[:, t, :length] = (g * prompt.errors[t, :length]).sum(-1)
+        for layer, (start, positions, counts, padded, where) in enumerate(prompt.feature_writes()):
+            k = bisect.bisect_left(positions, length)  # the positions inside the prefix
+            if not k or t not in padded:
+                continue
+            stop = start + sum(counts[:k])
+            # One batched product per layer written, over the positions with features (nonzero() ordered
+            # the rows by position), each position's decoder rows padded to the most any has: gathering the
+            # gradient at each feature's position would copy [batch feature hidden_size], 10x slower, and a
+            # product per position was thousands of small ones. Summed over the layers written in place.
+            products = torch.bmm(padded[t][:k], g[:, positions[:k]].permute(1, 2, 0)).flatten(0, 1)
+            self.features[:, start:stop] += products[where[:stop - start].to(products.device)].T
+            self.reached.add(layer)
+
+    def done(self) -> Float[Tensor, "batch source"]:
+        """The rows, each feature's column scaled by its activation."""
+        for layer in self.reached:
+            start, positions, counts = self.prompt.feature_writes()[layer][:3]
+            stop = start + sum(counts[:bisect.bisect_left(positions, self.length)])
+            self.features[:, start:stop] *= self.prompt.activations[start:stop]
+        return self.rows
 
 
 def prompt_tokens(model, prompt) -> Tensor:
