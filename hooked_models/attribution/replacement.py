@@ -342,7 +342,8 @@ class RowWriter:
                              f"({n}, {width}) on {device}")
         else:
             self.rows = out[:, :width]
-        self.prompt, self.length, self.reached = prompt, length, set()
+        self.prompt, self.length = prompt, length
+        self.reached: dict[int, tuple[int, int]] = {}  # layer -> its features' columns the prefix holds
         self.features = self.rows[:, :n_active]
         self.errors = self.rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
         self.embedding = self.rows[:, n_active + n_layers * seq:]
@@ -368,13 +369,11 @@ class RowWriter:
             # product per position was thousands of small ones. Summed over the layers written in place.
             products = torch.bmm(padded[t][:k], g[:, positions[:k]].permute(1, 2, 0)).flatten(0, 1)
             self.features[:, start:stop] += products[where[:stop - start].to(products.device)].T
-            self.reached.add(layer)
+            self.reached[layer] = (start, stop)
 
     def done(self) -> Float[Tensor, "batch source"]:
         """The rows, each feature's column scaled by its activation."""
-        for layer in self.reached:
-            start, positions, counts = self.prompt.feature_writes()[layer][:3]
-            stop = start + sum(counts[:bisect.bisect_left(positions, self.length)])
+        for start, stop in self.reached.values():
             self.features[:, start:stop] *= self.prompt.activations[start:stop]
         return self.rows
 

@@ -20,7 +20,8 @@ def same_statistics(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if name == "histogram":  # [feature bin]: the same counts per feature, a few moved to a neighbouring bin
         moved = (a.cumsum(-1) - b.cumsum(-1)).abs()
-        return torch.equal(a.sum(-1), b.sum(-1)) and bool(moved.max() <= 2) and int((a != b).sum()) <= max(4, a.numel() // 1000)
+        return (torch.equal(a.sum(-1), b.sum(-1)) and bool(moved.max() <= 2)
+                and int((a != b).sum()) <= max(4, a.numel() // 1000))
     if a.is_floating_point():
         return bool((a - b).abs().max() <= 1e-6 * max(float(a.abs().max()), 1e-30)) if a.numel() else True
     return torch.equal(a, b)
