@@ -305,7 +305,7 @@ class _Rows:
         targets = [*range(len(selected)), *range(n_nodes - len(output_keys), n_nodes)]
         for start in range(0, len(rows), chunk):
             index = torch.tensor(rows[start:start + chunk])
-            adjacency[targets[start:start + chunk], :len(columns)] = self.out[index][:, columns]
+            adjacency[targets[start:start + chunk], :len(columns)] = self.out[index[:, None], columns]
         self.out = None
         return adjacency
 

@@ -126,6 +126,8 @@ def _run(prompt: Prompt, rows: Sequence[Component | _AllBut | None], reads: list
 
     def capture(t, hook):
         captured[hook.name] = t.detach().to(dtype)
+        if len(captured) == len(reads):  # the rest of the forward would be read by nothing
+            raise _AllRead
 
     hooks = [(is_frozen, lambda t, hook: prompt.constants[hook.name].expand(t.shape).to(t.dtype)),
              ("layers.0.layer_input", embed)]
@@ -134,8 +136,15 @@ def _run(prompt: Prompt, rows: Sequence[Component | _AllBut | None], reads: list
                   (prompt.outputs[l], lambda t, hook, l=l: write(t, hook, l))]
     hooks += [(name, capture) for name in reads]
     with torch.no_grad(), _nothing_discarded(prompt):
-        model.run_with_hooks(prompt.tokens.expand(n, -1), fwd_hooks=hooks, stop_at_layer=model.cfg.num_layers)
+        try:
+            model.run_with_hooks(prompt.tokens.expand(n, -1), fwd_hooks=hooks, stop_at_layer=model.cfg.num_layers)
+        except _AllRead:
+            pass
     return {name: captured[name] for name in reads}
+
+
+class _AllRead(Exception):
+    """Raised by the last read's hook: the forward stops there (the hooks are removed as it unwinds)."""
 
 
 def _writes_but(prompt: Prompt, excluded: Sequence[Component]) -> tuple[Tensor, Tensor]:

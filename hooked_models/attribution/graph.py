@@ -186,8 +186,10 @@ class AttributionGraph:
         magnitude[:, ~node_mask] = 0
         torch.div(magnitude, _row_sums(magnitude), out=normalized)  # normalized_abs of the kept edges, bit for bit
         edge_scores = normalized.mul_((influence_series(normalized, weights) + weights)[:, None])
-        edge_mask = edge_scores >= top_threshold(edge_scores.flatten(), edge_threshold)
-        edge_mask &= magnitude != 0
+        threshold = top_threshold(edge_scores.flatten(), edge_threshold)
+        edge_mask = edge_scores >= threshold
+        if threshold <= 0:  # (a positive threshold keeps no edge of weight zero: its score is zero)
+            edge_mask &= magnitude != 0
         del normalized, edge_scores, magnitude
         while True:
             before = node_mask.clone()

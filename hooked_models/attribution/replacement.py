@@ -326,6 +326,11 @@ def rows_of(prompt: Prompt, length: int, grads: Sequence[Tensor | None], out: Te
     return rows.done()
 
 
+def position_dots(g: Tensor, x: Tensor) -> Float[Tensor, "batch position"]:
+    """g [batch position d] dotted with x [position d] at each position, as one batched product."""
+    return torch.bmm(g.transpose(0, 1), x[:, :, None])[..., 0].T
+
+
 class RowWriter:
     """`rows_of` one leaf at a time, in any order, each leaf's gradient free to go once `add` returns (a
     backward pass hands each over as it is made, and holds two gradients, not one per layer)."""
@@ -348,16 +353,16 @@ class RowWriter:
         self.errors = self.rows[:, n_active:n_active + n_layers * seq].view(n, n_layers, seq)
         self.embedding = self.rows[:, n_active + n_layers * seq:]
 
-    def add(self, leaf: int, g: Tensor) -> None:
-        """Leaf `leaf`'s gradient [batch >= length d] (0: the stream entering layer 0, l + 1: layer l's
-        MLP output): its sources' columns."""
+    def add(self, leaf: int, g: Tensor, first: int = 0) -> None:
+        """Leaf `leaf`'s gradient [batch >= length-first d] at positions `first` ... (0: the stream entering
+        layer 0, l + 1: layer l's MLP output): its sources' columns (those before `first` left as they are)."""
         prompt, length = self.prompt, self.length
-        g = g[:, :length].to(prompt.errors.dtype)
+        g = g[:, :length - first].to(prompt.errors.dtype)
         if leaf == 0:
-            self.embedding[:, :length] = (g * prompt.embedding[:length]).sum(-1)
+            self.add_embedding(position_dots(g, prompt.embedding[first:length]), first)
             return
         t = leaf - 1
-        self.errors[:, t, :length] = (g * prompt.errors[t, :length]).sum(-1)
+        self.errors[:, t, first:length] = position_dots(g, prompt.errors[t, first:length])
         for layer, (start, positions, counts, padded, where) in enumerate(prompt.feature_writes()):
             k = bisect.bisect_left(positions, length)  # the positions inside the prefix
             if not k or t not in padded:
@@ -367,9 +372,21 @@ class RowWriter:
             # the rows by position), each position's decoder rows padded to the most any has: gathering the
             # gradient at each feature's position would copy [batch feature hidden_size], 10x slower, and a
             # product per position was thousands of small ones. Summed over the layers written in place.
-            products = torch.bmm(padded[t][:k], g[:, positions[:k]].permute(1, 2, 0)).flatten(0, 1)
-            self.features[:, start:stop] += products[where[:stop - start].to(products.device)].T
+            # (Positions before `first` have no features here: they are not carried.)
+            if positions[k - 1] - positions[0] == k - 1:  # every position from the first: a view
+                at = g[:, positions[0] - first:positions[0] - first + k]
+            else:
+                at = g[:, [p - first for p in positions[:k]]]
+            # [batch (position most)], each target's row contiguous, read off at the features' places.
+            products = torch.bmm(at.transpose(0, 1), padded[t][:k].transpose(1, 2)).transpose(0, 1).flatten(1)
+            self.features[:, start:stop] += products[:, where[:stop - start].to(products.device)]
             self.reached[layer] = (start, stop)
+
+    def add_embedding(self, dots: Tensor, first: int = 0) -> None:
+        """The embedding's columns at positions `first` ... (the stream entering layer 0's gradient dotted
+        with the embedding there, [batch length-first]), where a backward pass makes them without that
+        gradient."""
+        self.embedding[:, first:self.length] = dots.to(self.embedding.dtype)
 
     def done(self) -> Float[Tensor, "batch source"]:
         """The rows, each feature's column scaled by its activation."""

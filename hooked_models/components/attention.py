@@ -163,7 +163,7 @@ class SelfAttention(HookedModule):
             mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
         if self.fixed_pattern is not None:
             probs = self.attention_probabilities(self.fixed_pattern.expand(q.shape[0], -1, -1, -1).to(q.dtype))
-            mixed = torch.matmul(probs, repeat_kv(v, self.groups))
+            mixed = self.mix(probs, v)
         elif self.wants_explicit_scores():
             k_rep, v_rep = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
             scores = torch.matmul(q, k_rep.transpose(-1, -2)) * self.scale
@@ -174,7 +174,7 @@ class SelfAttention(HookedModule):
             scores = self.attention_scores(scores.masked_fill(~mask, float("-inf")))
             # Softmax in float32 and back, as transformers does, so bf16 patterns agree with it.
             probs = self.attention_probabilities(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
-            mixed = torch.matmul(probs, v_rep)
+            mixed = self.mix(probs, v, v_rep)
         else:
             mixed = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
@@ -191,6 +191,21 @@ class SelfAttention(HookedModule):
             if written is not results:
                 output = written.sum(-2) + self.out_bias()
         return self.attention_output(output)
+
+    def mix(self, probs: Float[Tensor, "batch num_heads seq_q seq_k"], v: Float[Tensor, "batch num_kv_heads seq_k head_dim"],
+            v_rep: Tensor | None = None) -> Float[Tensor, "batch num_heads seq_q head_dim"]:
+        """The pattern times the values, query head h reading key/value head h // groups (`v_rep`: v
+        repeated so, where made already): matmul's products. Where every row of the batch has one
+        pattern (a frozen one written back, expanded: stride 0), the same products per head with the
+        pattern read in place, not copied once per row as matmul copies an expanded operand, nor the
+        values repeated: the same [seq_q seq_k] x [seq_k head_dim] products, so the same bits."""
+        batch = v.shape[0]
+        if batch == 1 or probs.stride(0) != 0 or probs.shape[0] != batch:
+            return torch.matmul(probs, repeat_kv(v, self.groups) if v_rep is None else v_rep)
+        out = v.new_empty(probs.shape[1], batch, probs.shape[2], v.shape[-1])  # [head batch seq_q head_dim]
+        for h in range(probs.shape[1]):
+            torch.bmm(probs[:, h], v[:, h // self.groups], out=out[h])
+        return out.transpose(0, 1)
 
     def head_results(
         self, premix: Float[Tensor, "batch seq num_heads head_dim"],

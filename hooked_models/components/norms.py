@@ -42,7 +42,6 @@ class RMSNorm(HookedModule):
     def forward(self, x: Float[Tensor, "batch seq hidden_size"]) -> Float[Tensor, "batch seq hidden_size"]:
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True) + self.eps
-        normalized = x32 * torch.rsqrt(variance)
         if self.norm_scale.has_hooks():
             # Where the hook left the scale as it was, the reference's arithmetic stands (no bit
             # changes); where it wrote one, TransformerLens's: x / scale. The hook gets its own
@@ -51,9 +50,22 @@ class RMSNorm(HookedModule):
             given = scale.clone()
             written = self.norm_scale(given)
             if written is not given or not torch.equal(given, scale):
-                divided = x32 / written
-                normalized = value_of_gradient_of(torch.where(written == scale, normalized, divided), divided)
-        return self.weight * self.norm_normalized(normalized.to(x.dtype))
+                return self.weight * self.norm_normalized(self._written(x32, variance, scale, written).to(x.dtype))
+        return self.weight * self.norm_normalized((x32 * torch.rsqrt(variance)).to(x.dtype))
+
+    @staticmethod
+    def _written(x32: Tensor, variance: Tensor, scale: Tensor, written: Tensor) -> Tensor:
+        """The normalized value where a hook wrote the scale: x / written, and the reference's x * rsqrt
+        where it wrote the value computed; with a gradient through the written scale where one is taken
+        (with none, the same values: neither the gradient's exact zero is added nor the reference's
+        product formed where no scale is the computed one)."""
+        divided = x32 / written
+        same = written == scale
+        if torch.is_grad_enabled() and (x32.requires_grad or written.requires_grad):
+            return value_of_gradient_of(torch.where(same, x32 * torch.rsqrt(variance), divided), divided)
+        if not bool(same.any()):
+            return divided
+        return torch.where(same, x32 * torch.rsqrt(variance), divided)
 
     def forward_unhooked(self, x: Float[Tensor, "*batch hidden_size"]) -> Float[Tensor, "*batch hidden_size"]:
         """The same arithmetic with no hook firing: what per-head copies of the stream go through

@@ -349,6 +349,17 @@ def test_prune_and_scores_on_a_graph_worked_by_hand():
     pruned = graph.prune(0.5, 0.9)
     assert pruned.node_mask.tolist() == [True, False, True, True]  # the error's influence is below the cut
     assert pruned.edge_mask.nonzero().tolist() == [[0, 2], [3, 0]]
+    # Where a threshold's score is 0 (a fraction of 1 that the running sum misses by its rounding), every
+    # node is kept and the edges of nonzero weight, never one of weight zero (circuit-tracer keeps those).
+    import hooked_models.attribution.graph as graph_module
+
+    threshold = graph_module.top_threshold
+    graph_module.top_threshold = lambda scores, fraction: scores.new_zeros(())
+    try:
+        everything = graph.prune(1.0, 1.0)
+    finally:
+        graph_module.top_threshold = threshold
+    assert everything.node_mask.all() and everything.edge_mask.nonzero().tolist() == [[0, 2], [3, 0], [3, 1]]
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -151,3 +151,23 @@ def test_the_others_row_is_the_sum_of_the_nodes_left_out(family_setup):
         gap = (others[name] - one_by_one[name]).abs() / magnitude[name].clamp(min=1e-30)
         assert gap.max() < 1e-5, (name, float(gap.max()))
     assert float(others[names[-1]].abs().max()) > 0
+
+
+def test_the_forward_stops_at_the_last_value_read_and_the_hooks_go(family_setup):
+    """Reading only layer 0's head outputs, nothing after them runs (a hook on the last layer's input
+    never fires), the values are those of a decomposition that reads the last layer too, and no hook is
+    left on the model."""
+    model, tcs, tokens = family_setup
+    prompt = Prompt(model, tokens[None], tcs)
+    components = every_node(prompt)[:4]
+    name = "layers.0.self_attn.attention_head_outputs"
+    full = list(decompose(prompt, components, reads(model)))[0].values[name]
+    fired = []
+    last = model.layers[-1]
+    handle = last.register_forward_pre_hook(lambda *args: fired.append(1))
+    try:
+        (chunk,) = decompose(prompt, components, [name])
+    finally:
+        handle.remove()
+    assert fired == [] and torch.equal(chunk.values[name], full)
+    assert not any(point.has_hooks() for point in model.hook_dict.values())

@@ -58,17 +58,25 @@ def chunks(targets: list) -> list[list]:
     return [targets, targets[::3], targets[1::5], targets[-3:], targets[len(targets) // 2:len(targets) // 2 + 1]]
 
 
+@pytest.mark.parametrize("bottom", ["embedding_reads", "block"])
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "packed"])
 @pytest.mark.parametrize("factored", [True, False], ids=["factored", "dense"])
 @pytest.mark.parametrize("skip", [True, False], ids=["skip", "no_skip"])
-def test_the_written_out_rows_are_autograds(arcee, skip, factored, monkeypatch):
-    """Both ways through the block below a target's first: the factored products and the dense ones."""
+def test_the_written_out_rows_are_autograds(arcee, skip, factored, padded, bottom, monkeypatch):
+    """Both ways through the block below a target's first (the factored products and the dense ones),
+    both layouts of the dense ones (every position up to the chunk's last, or each target's own,
+    packed), and both ways through the bottom block (its dots with the embedding from
+    `_embedding_reads`' columns, or the block's products then the dots)."""
     monkeypatch.setattr(LinearBackward, "_factors_pay", lambda self, position, first: factored)
+    monkeypatch.setattr(LinearBackward, "_padding_pays", staticmethod(lambda position, n, first: padded))
+    monkeypatch.setattr(LinearBackward, "_reads_pay", lambda self: bottom == "embedding_reads")
     tcs = transcoders(arcee, skip)
     state = random_prompt(arcee, tcs, 11, 5, keep_position_zero=False)
     assert refusal(arcee, tcs) is None
     written, autograd = LinearBackward(state), Replica(state)
     targets = every_target(arcee, state, tcs)
     assert len({t.layer for t in targets}) == tcs.n_layers + 1 and len(targets) > 100
+    assert (written._embedding_reads() is not None) == (bottom == "embedding_reads")
     for chunk in chunks(targets):
         got, expected = written.rows(chunk), target_rows(autograd, chunk)
         assert got.shape == expected.shape and expected.abs().max() > 0
@@ -96,7 +104,10 @@ def test_the_written_out_head_gradients_are_autograds(arcee, keep_position_zero,
             assert float(expected[0][:, 0].abs().max()) > 0
 
 
-def test_the_written_out_rows_in_float32_are_float64_autograds_within_1e_5(arcee):
+@pytest.mark.parametrize("bottom", ["embedding_reads", "block"])
+def test_the_written_out_rows_in_float32_are_float64_autograds_within_1e_5(arcee, bottom, monkeypatch):
+    """(Position 0 kept: every position carried.)"""
+    monkeypatch.setattr(LinearBackward, "_reads_pay", lambda self: bottom == "embedding_reads")
     tcs = transcoders(arcee, True)
     tokens = prompt_tokens(arcee, torch.randint(0, arcee.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(6)))
     state = Prompt(arcee, tokens, tcs)

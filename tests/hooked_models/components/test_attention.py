@@ -115,3 +115,21 @@ def test_no_weight_is_copied_or_relaid_per_forward(hf_arcee_factory):
     copied = [(e.key, e.input_shapes) for e in profile.key_averages(group_by_input_shape=True)
               if e.key in copying and e.input_shapes and e.input_shapes[0] in weight_shapes]
     assert not copied, f"weights copied or re-laid out during a forward: {copied}"
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_pattern_shared_by_the_batch_mixes_as_matmul_does_bit_for_bit(groups):
+    """A pattern expanded over the batch (a frozen one written back: stride 0) is read in place, one
+    product per head, and the values not repeated: the same bits as matmul of the expanded pattern and
+    the repeated values, on every row; a pattern of the batch's own rows takes matmul."""
+    from hooked_models.components.attention import SelfAttention, repeat_kv
+
+    attention = SelfAttention(4, 4 // groups, 8)
+    generator = torch.Generator().manual_seed(0)
+    pattern = torch.softmax(torch.randn(1, 4, 9, 9, generator=generator), -1)
+    v = torch.randn(5, 4 // groups, 9, 8, generator=generator)
+    shared = pattern.expand(5, -1, -1, -1)
+    expected = torch.matmul(shared.contiguous(), repeat_kv(v, groups))
+    assert torch.equal(attention.mix(shared, v), expected)
+    own = torch.softmax(torch.randn(5, 4, 9, 9, generator=generator), -1)
+    assert torch.equal(attention.mix(own, v), torch.matmul(own, repeat_kv(v, groups)))

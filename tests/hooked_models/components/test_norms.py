@@ -191,3 +191,37 @@ def test_transformer_lens_idiom_on_hook_scale_freezes_the_final_norm(tl_model):
     _, by_name = _input_gradient(model, tokens, upstream, [("norm.norm_scale", _detach)])
     assert torch.equal(by_tl_name, by_name)
     assert (free - by_name).abs().max() > 1e-3 * by_name.abs().max()
+
+
+@pytest.mark.parametrize("equal_somewhere", [True, False])
+def test_a_written_scale_gives_the_same_values_with_a_gradient_or_without(equal_somewhere):
+    """Where a hook writes the scale, the output is x / written · weight, and the reference's bits where
+    the written scale is the computed one; without a gradient (the decomposition's batched forwards) it
+    is the same, bit for bit, as with one (only the gradient's exact zero and, where no written scale is
+    the computed one, the reference's product are left out)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(16))
+    x = torch.randn(2, 6, 16) * 3 + 1
+    with torch.no_grad():
+        reference = norm(x)
+
+    def write(t, hook):
+        out = t * 1.5
+        if equal_somewhere:
+            out[:, ::2] = t[:, ::2]
+        return out
+
+    norm.norm_scale.add_hook(write)
+    try:
+        with torch.no_grad():
+            fast = norm(x)
+        slow = norm(x.clone().requires_grad_()).detach()
+    finally:
+        norm.norm_scale.remove_hooks()
+    scale = (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    expected = norm.weight.detach() * (x / (scale * 1.5))
+    if equal_somewhere:
+        expected[:, ::2] = reference[:, ::2]
+    assert torch.equal(fast, expected) and torch.equal(slow, expected)
