@@ -30,7 +30,7 @@ Same sums as autograd's, in other orders: the rows agree to float32 rounding
 `attribute` then runs autograd's backward over replicas, which serves every model.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from jaxtyping import Float
@@ -79,15 +79,16 @@ class LinearBackward:
         self.blocks = []
         for l, layer in enumerate(model.layers):
             attn, w1, w2 = layer.self_attn, layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-            # Each norm: its weight, and 1 / its frozen scale per position [seq 1]. The skips as they are (a
-            # copy of every skip with the norm's weight folded in would be layers x d_in x d_out more memory).
+            # Each norm: 1 / its frozen scale per position [seq 1], and the second's weight (the first's is
+            # folded into W_V). The skips as they are (a copy of every skip with the norm's weight folded in
+            # would be layers x d_in x d_out more memory).
             inv1 = 1 / constants[f"layers.{l}.input_layernorm.norm_scale"][0]
             inv2 = 1 / constants[f"layers.{l}.post_attention_layernorm.norm_scale"][0]
             pattern = constants[f"layers.{l}.self_attn.attention_probabilities"][0]  # [head seq seq]
             skip = tcs.skip_weight(l).detach() if tcs.has_skip else None  # [d_out d_in]
             # W_V with the input norm's weight folded in (kv_heads x head_dim x hidden_size: small beside W_O).
             w_v = attn.v_proj.weight.detach() * w1
-            self.blocks.append((inv1, inv2, w1, w2, pattern, attn.o_proj.weight.detach(), w_v,
+            self.blocks.append((inv1, inv2, w2, pattern, attn.o_proj.weight.detach(), w_v,
                                 skip, attn.num_kv_heads, attn.groups, attn.head_dim))
         self.final = model.norm.weight.detach() / constants["norm.norm_scale"][0]  # [seq hidden_size]
         self.unembedding = model.lm_head.weight.detach()  # [vocab hidden_size]
@@ -102,7 +103,7 @@ class LinearBackward:
         these, so position 0 is never carried through the position-by-position products."""
         x, values = self.prompt.embedding[0].to(self.final.dtype), []
         with torch.no_grad():
-            for inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim in self.blocks:
+            for inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim in self.blocks:
                 v = (x @ w_v.T) * inv1[0]  # (w_v: W_V with the norm's weight folded in)
                 values.append(v.view(kv, head_dim))
                 mixed = (pattern[:, 0, 0].view(kv, groups, 1) * v.view(kv, 1, head_dim)).flatten()
@@ -139,7 +140,7 @@ class LinearBackward:
         head_dim] per layer, as `Replica.head_gradients` gives them (position 0 carried: its heads too)."""
         n_layers, seq = len(self.blocks), self.prompt.tokens.shape[1]
         tops = self._tops(targets)
-        _, _, _, _, _, w_o, _, _, kv, groups, head_dim = self.blocks[0]
+        _, _, _, _, w_o, _, _, kv, groups, head_dim = self.blocks[0]
         heads = [w_o.new_zeros(len(targets), seq, kv * groups, head_dim) for _ in range(n_layers)]
         with torch.no_grad():
             self._gradients(targets, tops, max(t.pos for t in targets) + 1, 0, None, heads)
@@ -230,7 +231,7 @@ class LinearBackward:
             if not self._reads_pay():
                 self._reads = ()
                 return None
-            inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[0]
+            inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[0]
             d, heads = w_o.shape[0], kv * groups
             e = self.prompt.embedding.to(w_o.dtype)
             seq = e.shape[0]
@@ -246,7 +247,7 @@ class LinearBackward:
     def _reads_pay(self) -> bool:
         """Whether `_embedding_reads`' columns per position, (1 or 2) x heads x seq, are fewer than the
         bottom block's products per position (its skip's d_in, the heads' width, the values' width)."""
-        _, _, _, _, _, w_o, _, skip, kv, groups, head_dim = self.blocks[0]
+        _, _, _, _, w_o, _, skip, kv, groups, head_dim = self.blocks[0]
         seq, parts = self.prompt.tokens.shape[1], 1 if skip is None else 2
         return parts * kv * groups * seq < (0 if skip is None else skip.shape[1]) + w_o.shape[1] + kv * head_dim
 
@@ -256,7 +257,7 @@ class LinearBackward:
         `_embedding_reads`' columns for the n key positions (with the skip's: g_h = g + c2 (g W_skip) w2),
         mixed by each head's pattern onto its keys, plus the residual path's dot at each position; with
         `first`, position 0's key added to `zero_edges` (its values' share, as `_mixed` adds it)."""
-        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[0]
+        inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[0]
         reads, residual = self._embedding_reads()
         batch, m, d = g.shape
         heads, parts = kv * groups, residual.shape[2]
@@ -272,7 +273,7 @@ class LinearBackward:
     def _factors_pay(self, position: Tensor, first: int) -> bool:
         """Whether targets one block below their first take the factored products: per target (heads + 1)
         skip products and twice as many output projections, against one of each per position carried."""
-        _, _, _, _, _, w_o, _, skip, kv, groups, head_dim = self.blocks[0]
+        _, _, _, _, w_o, _, skip, kv, groups, head_dim = self.blocks[0]
         rank, d, width = kv * groups + 1, w_o.shape[0], w_o.shape[1]
         carried = float((position + 1 - first).sum())
         dense = carried * (d * width + (0 if skip is None else skip.numel()))
@@ -296,13 +297,13 @@ class LinearBackward:
         position) hidden_size], or over all of them where the padding pays; only the mix is padded. With
         `first`, the value gradients at position 0 dotted with its embedding's values, added to `zero_edges`
         (returned). `heads` [batch seq head head_dim]: the gradients at the head outputs, written in."""
-        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
         if self._padding_pays(position, n, first):
             g_h = g if skip is None else torch.addcmul(g, (g @ skip).mul_(w2), inv2[first:n])
             z = (g_h @ w_o).view(batch, n - first, kv, groups, head_dim)
             v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
-            torch.addcmul(g_h, v.reshape(batch, n - first, -1) @ w_v, inv1[first:n], out=out)
+            self._to_input(l, g_h, v, position, n, first, out)
             return zero_edges
         target, at = _packed(position, first)
         packed = g[target, at]
@@ -323,7 +324,7 @@ class LinearBackward:
         per key/value head (its group's patterns side by side, [n (group n-first)], times their gradients
         [(group n-first) (batch head_dim)]); with `first`, position 0's (a key every query reads) dotted
         with its embedding's values and added to `zero_edges`."""
-        pattern, kv, groups, head_dim = self.blocks[l][4], *self.blocks[l][8:]
+        pattern, kv, groups, head_dim = self.blocks[l][3], *self.blocks[l][7:]
         batch, m = z.shape[0], n - first
         if heads is not None:
             heads[:, first:n].unflatten(2, (kv, groups)).copy_(z)
@@ -343,7 +344,7 @@ class LinearBackward:
         position 0's share, with `first`, dotted with its embedding's values into `zero_edges`), written
         into `out`. Returns `zero_edges` and the gradient below in factors, for
         `_through_block_from_factors` at the next block down."""
-        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
         rows = torch.arange(batch, device=g.device)
         at = g[rows, position - first]  # [batch hidden_size]
@@ -374,7 +375,7 @@ class LinearBackward:
         """`_through_block` for targets one block below their first, whose gradient g is the block above's
         `coefficients @ vectors` (head + 1 vectors each): the skip and output projections of the vectors,
         not of every position (fewer products where a target carries more positions than twice its heads)."""
-        inv1, inv2, w1, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
+        inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
         if skip is None:
             g_h, z = g, coefficients @ (vectors @ w_o)
@@ -384,13 +385,21 @@ class LinearBackward:
             z = coefficients @ (vectors @ w_o) + (coefficients @ (skipped @ w_o)) * inv2[first:n]
         z = z.view(batch, n - first, kv, groups, head_dim)
         v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
+        self._to_input(l, g_h, v, position, n, first, out)
+        return zero_edges
+
+    def _to_input(self, l: int, g_h: Tensor, v: Tensor, position: Tensor, n: int, first: int, out: Tensor) -> None:
+        """Block l's input gradient into `out` [batch n-first hidden_size]: g_h (at the attention's
+        output) plus the value gradients v [batch n-first kv_head head_dim] through W_V (its norm's weight
+        folded in) over the norm's scale; over every position where the padding pays, else each target's
+        own, packed (the rest zero)."""
+        inv1, w_v = self.blocks[l][0], self.blocks[l][5]
         if self._padding_pays(position, n, first):
-            torch.addcmul(g_h, v.reshape(batch, n - first, -1) @ w_v, inv1[first:n], out=out)
-            return zero_edges
+            torch.addcmul(g_h, v.reshape(*v.shape[:2], -1) @ w_v, inv1[first:n], out=out)
+            return
         target, at = _packed(position, first)
         out.zero_()
         out[target, at] = torch.addcmul(g_h[target, at], v[target, at].flatten(1) @ w_v, inv1[at + first])
-        return zero_edges
 
 
 def _packed(position: Tensor, first: int) -> tuple[Tensor, Tensor]:
