@@ -65,7 +65,13 @@ class RMSNorm(HookedModule):
             return value_of_gradient_of(torch.where(same, x32 * torch.rsqrt(variance), divided), divided)
         if not bool(same.any()):
             return divided
-        return torch.where(same, x32 * torch.rsqrt(variance), divided)
+        if same.shape != variance.shape:  # a scale of another shape, broadcast: every element compared
+            return torch.where(same, x32 * torch.rsqrt(variance), divided)
+        # The reference's product at the few positions where the written scale is the computed one (a
+        # decomposition's rows: an embedding alone at layer 0), not over the whole batch.
+        at = same[..., 0].nonzero(as_tuple=True)
+        divided[at] = x32[at] * torch.rsqrt(variance[at])
+        return divided
 
     def forward_unhooked(self, x: Float[Tensor, "*batch hidden_size"]) -> Float[Tensor, "*batch hidden_size"]:
         """The same arithmetic with no hook firing: what per-head copies of the stream go through

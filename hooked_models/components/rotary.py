@@ -98,4 +98,12 @@ def apply_rotary(
     cos: Float[Tensor, "batch seq head_dim"],
     sin: Float[Tensor, "batch seq head_dim"],
 ) -> Float[Tensor, "batch heads seq head_dim"]:
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """x * cos + rotate_half(x) * sin, the reference's arithmetic, with its bits: each half's second
+    term, x2 * sin (negated: a + (-b) is a - b in IEEE arithmetic) and x1 * sin, is added in place
+    to x * cos, so neither the rotated copy nor a third full-size product is made."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out

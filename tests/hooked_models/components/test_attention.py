@@ -133,3 +133,27 @@ def test_a_pattern_shared_by_the_batch_mixes_as_matmul_does_bit_for_bit(groups):
     assert torch.equal(attention.mix(shared, v), expected)
     own = torch.softmax(torch.randn(5, 4, 9, 9, generator=generator), -1)
     assert torch.equal(attention.mix(own, v), torch.matmul(own, repeat_kv(v, groups)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_rotary_has_transformers_bits_forward_and_backward(dtype, head_dim):
+    """apply_rotary (the halves' second terms added in place, no rotated copy) against transformers'
+    own apply_rotary_pos_emb: the same bits, and the same gradients' bits through autograd."""
+    from transformers.models.arcee.modeling_arcee import apply_rotary_pos_emb
+
+    from hooked_models.components.rotary import apply_rotary
+
+    generator = torch.Generator().manual_seed(head_dim)
+    x = (3 * torch.randn(2, 4, 9, head_dim, generator=generator)).to(dtype)
+    angles = torch.randn(2, 9, head_dim // 2, generator=generator) * 5
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    upstream = torch.randn(2, 4, 9, head_dim, generator=generator).to(dtype)
+    ours_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours = apply_rotary(ours_x, cos, sin)
+    theirs, _ = apply_rotary_pos_emb(theirs_x, theirs_x, cos, sin)
+    assert torch.equal(ours, theirs)
+    ours.backward(upstream)
+    theirs.backward(upstream)
+    assert torch.equal(ours_x.grad, theirs_x.grad)
