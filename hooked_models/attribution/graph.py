@@ -186,19 +186,22 @@ class AttributionGraph:
         magnitude[:, ~node_mask] = 0
         torch.div(magnitude, _row_sums(magnitude), out=normalized)  # normalized_abs of the kept edges, bit for bit
         edge_scores = normalized.mul_((influence_series(normalized, weights) + weights)[:, None])
-        threshold = top_threshold(edge_scores.flatten(), edge_threshold)
+        # (|the kept edges| are read no more: their buffer is the threshold's scratch)
+        threshold = top_threshold(edge_scores.flatten(), edge_threshold, scratch=magnitude.view(-1))
         edge_mask = edge_scores >= threshold
-        if threshold <= 0:  # (a positive threshold keeps no edge of weight zero: its score is zero)
-            edge_mask &= magnitude != 0
+        if threshold <= 0:  # (a positive threshold keeps no edge of weight zero: its score is zero; the
+            edge_mask &= self.adjacency_matrix != 0  # dropped nodes' edges go in the loop's first step)
         del normalized, edge_scores, magnitude
-        while True:
+        dropped = ~node_mask
+        while True:  # each step clears the edges of the nodes dropped since the last
+            edge_mask[dropped] = False
+            edge_mask[:, dropped] = False
             before = node_mask.clone()
-            edge_mask[~node_mask] = False
-            edge_mask[:, ~node_mask] = False
             # Features and errors need a way out; features a way in.
             node_mask[:self.embedding_start] &= edge_mask[:, :self.embedding_start].any(0)
             node_mask[:self.n_features] &= edge_mask[:self.n_features].any(1)
-            if torch.equal(node_mask, before):
+            dropped = before & ~node_mask
+            if not bool(dropped.any()):
                 break
         order = node_influence.argsort(descending=True)
         cumulative = torch.zeros_like(node_influence)
@@ -285,15 +288,23 @@ def influence_series(normalized: Tensor, weights: Tensor) -> Tensor:
     return total
 
 
-def top_threshold(scores: Tensor, fraction: float) -> Tensor:
+def top_threshold(scores: Tensor, fraction: float, scratch: Tensor | None = None) -> Tensor:
     """The smallest score among the highest ones that together make `fraction` of the total (scores >= 0):
     circuit-tracer's `find_threshold`, bit for bit, with only the nonzero scores sorted. Its descending
     order puts the zeros last, where they change neither the running sum (a sequential scan) before them
-    nor, written out as zeros, the total; a pruned graph's edge scores are mostly zeros."""
+    nor, written out as zeros, the total; a pruned graph's edge scores are mostly zeros. `scratch`: a
+    buffer of the scores' size and dtype whose contents may go, for the total's sorted copy."""
     positive = scores[scores > 0].sort(descending=True).values
     if not len(positive):
         return scores.new_zeros(())
-    ordered = torch.zeros_like(scores)
+    if scratch is None:
+        ordered = torch.zeros_like(scores)
+    else:
+        if scratch.shape != scores.shape or scratch.dtype != scores.dtype:
+            raise ValueError(f"scratch is {scratch.dtype} {tuple(scratch.shape)}; the scores are {scores.dtype} "
+                             f"{tuple(scores.shape)}")
+        ordered = scratch
+        ordered[len(positive):] = 0
     ordered[:len(positive)] = positive
     cumulative = positive.cumsum(0) / ordered.sum().clamp(min=1e-30)  # the total over every score, as theirs
     index = int(torch.searchsorted(cumulative, fraction))

@@ -354,7 +354,7 @@ def test_prune_and_scores_on_a_graph_worked_by_hand():
     import hooked_models.attribution.graph as graph_module
 
     threshold = graph_module.top_threshold
-    graph_module.top_threshold = lambda scores, fraction: scores.new_zeros(())
+    graph_module.top_threshold = lambda scores, fraction, **kwargs: scores.new_zeros(())
     try:
         everything = graph.prune(1.0, 1.0)
     finally:

@@ -331,6 +331,10 @@ def test_top_threshold_sorts_only_the_nonzero_scores_and_is_circuit_tracers_thre
     scores = torch.cat([scores, torch.zeros(zeros)])[torch.randperm(100 + zeros, generator=generator)]
     expected = find_threshold_by_definition(scores, fraction)
     assert torch.equal(top_threshold(scores, fraction), expected)
+    # a scratch buffer's contents (prune's: the kept edges' magnitudes) change nothing
+    assert torch.equal(top_threshold(scores, fraction, scratch=torch.full_like(scores, float("nan"))), expected)
+    with pytest.raises(ValueError, match=r"scratch is torch.float32 \(3,\)"):
+        top_threshold(scores, fraction, scratch=torch.zeros(3))
     assert float(top_threshold(torch.zeros(5), fraction)) == 0.0  # no score above zero: the threshold is zero
     # a fraction past the running sum's end: the last score
     assert torch.equal(top_threshold(scores, 1.5), find_threshold_by_definition(scores, 1.5))
