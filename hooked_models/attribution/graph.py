@@ -176,33 +176,56 @@ class AttributionGraph:
                 raise ValueError(f"{name}={value} must be between 0 and 1")
         weights = self.logit_weights()
         # Two [node node] buffers in all (the pruning was the largest part of a small graph's memory
-        # and, in fresh pages, of its time): |adjacency|, masked in place, and the normalized rows.
+        # and, in fresh pages, of its time): |adjacency| and the normalized rows. What follows the node
+        # pruning reads the kept nodes' rows only ([kept node]: a pruned graph keeps few), with the bits
+        # of the whole matrix's arithmetic: each row's sum is its own (at its full length, the dropped
+        # columns zero), the influence series runs over the whole normalized matrix, and every positive
+        # edge score lies in those rows.
         magnitude = self.adjacency_matrix.abs()
         normalized = magnitude / _row_sums(magnitude)
         node_influence = influence_series(normalized, weights)
         node_mask = node_influence >= top_threshold(node_influence, node_threshold)
         node_mask[self.embedding_start:] = True
-        magnitude[~node_mask] = 0  # |the kept nodes' edges|
-        magnitude[:, ~node_mask] = 0
-        torch.div(magnitude, _row_sums(magnitude), out=normalized)  # normalized_abs of the kept edges, bit for bit
-        edge_scores = normalized.mul_((influence_series(normalized, weights) + weights)[:, None])
-        # (|the kept edges| are read no more: their buffer is the threshold's scratch)
-        threshold = top_threshold(edge_scores.flatten(), edge_threshold, scratch=magnitude.view(-1))
-        edge_mask = edge_scores >= threshold
-        if threshold <= 0:  # (a positive threshold keeps no edge of weight zero: its score is zero; the
-            edge_mask &= self.adjacency_matrix != 0  # dropped nodes' edges go in the loop's first step)
-        del normalized, edge_scores, magnitude
-        dropped = ~node_mask
-        while True:  # each step clears the edges of the nodes dropped since the last
-            edge_mask[dropped] = False
-            edge_mask[:, dropped] = False
-            before = node_mask.clone()
-            # Features and errors need a way out; features a way in.
-            node_mask[:self.embedding_start] &= edge_mask[:, :self.embedding_start].any(0)
-            node_mask[:self.n_features] &= edge_mask[:self.n_features].any(1)
-            dropped = before & ~node_mask
+        kept = node_mask.nonzero().flatten()
+        # |the kept nodes' edges|, normalized: normalized_abs of the kept edges. Where most nodes are
+        # kept, every row, in place, and the spare buffer is the first normalization's; else the kept
+        # rows, copied, and the spare buffer is |adjacency|'s. A dropped node's row is left as it is:
+        # the series reaches a node only through kept rows (it starts at the logits, always kept, and
+        # the kept rows' dropped columns are zero), so that row is multiplied by exact zeros and its
+        # scores are zero (its influence and weight are), changing no sum's bits.
+        if 2 * len(kept) > len(node_mask):
+            kept, rows, spare = torch.arange(len(node_mask)), magnitude, normalized
+        else:
+            rows, spare = magnitude[kept], magnitude
+        rows[:, ~node_mask] = 0
+        rows /= _row_sums(rows)
+        if rows is magnitude:
+            normalized = rows
+        else:
+            normalized[kept] = rows
+        rows.mul_((influence_series(normalized, weights) + weights)[kept, None])  # the edge scores
+        threshold = top_threshold(rows, edge_threshold, scratch=spare.view(-1), n_scores=spare.numel())
+        # A positive threshold keeps no edge of weight zero (its score is zero); a threshold of zero
+        # keeps every score, so the kept nodes' edges of nonzero weight.
+        if threshold > 0:
+            edges = rows >= threshold
+        else:
+            edges = (self.adjacency_matrix[kept] != 0) & node_mask & node_mask[kept, None]
+        del normalized, magnitude, rows, spare
+        # Features and errors need a way out, features a way in: drop, until none is, those without.
+        needs_in = kept < self.n_features
+        while True:
+            survives = node_mask.clone()
+            survives[:self.embedding_start] &= edges[:, :self.embedding_start].any(0)
+            survives[kept[needs_in]] &= edges[needs_in].any(1)
+            dropped = node_mask & ~survives
             if not bool(dropped.any()):
                 break
+            edges[dropped[kept]] = False
+            edges[:, dropped] = False
+            node_mask = survives
+        edge_mask = torch.zeros_like(self.adjacency_matrix, dtype=torch.bool)
+        edge_mask[kept] = edges
         order = node_influence.argsort(descending=True)
         cumulative = torch.zeros_like(node_influence)
         cumulative[order] = node_influence[order].cumsum(0) / node_influence.sum().clamp(min=1e-30)
@@ -288,21 +311,27 @@ def influence_series(normalized: Tensor, weights: Tensor) -> Tensor:
     return total
 
 
-def top_threshold(scores: Tensor, fraction: float, scratch: Tensor | None = None) -> Tensor:
+def top_threshold(scores: Tensor, fraction: float, scratch: Tensor | None = None,
+                  n_scores: int | None = None) -> Tensor:
     """The smallest score among the highest ones that together make `fraction` of the total (scores >= 0):
     circuit-tracer's `find_threshold`, bit for bit, with only the nonzero scores sorted. Its descending
     order puts the zeros last, where they change neither the running sum (a sequential scan) before them
-    nor, written out as zeros, the total; a pruned graph's edge scores are mostly zeros. `scratch`: a
-    buffer of the scores' size and dtype whose contents may go, for the total's sorted copy."""
+    nor, written out as zeros, the total; a pruned graph's edge scores are mostly zeros.
+    `n_scores`: the number of scores, of which `scores` holds every positive one, the rest zeros (default:
+    `scores.numel()`); `scratch`: a buffer of [n_scores] in the scores' dtype whose contents may go, for
+    the total's sorted copy."""
+    n = scores.numel() if n_scores is None else n_scores
+    if n < scores.numel():
+        raise ValueError(f"n_scores={n_scores} is fewer than the {scores.numel()} scores given")
     positive = scores[scores > 0].sort(descending=True).values
     if not len(positive):
         return scores.new_zeros(())
     if scratch is None:
-        ordered = torch.zeros_like(scores)
+        ordered = scores.new_zeros(n)
     else:
-        if scratch.shape != scores.shape or scratch.dtype != scores.dtype:
+        if scratch.shape != (n,) or scratch.dtype != scores.dtype:
             raise ValueError(f"scratch is {scratch.dtype} {tuple(scratch.shape)}; the scores are {scores.dtype} "
-                             f"{tuple(scores.shape)}")
+                             f"({n},)")
         ordered = scratch
         ordered[len(positive):] = 0
     ordered[:len(positive)] = positive

@@ -238,12 +238,14 @@ def share_cut(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     return ordered[min(int((reach < fraction).sum()), len(ordered) - 1)]
 
 
-def pruned_by_definition(graph, node_threshold: float, edge_threshold: float, features_need_inputs: bool = True):
+def pruned_by_definition(graph, node_threshold: float, edge_threshold: float, features_need_inputs: bool = True,
+                         zero_edge_cut: bool = False):
     """circuit-tracer's `prune_graph`: nodes of the top `node_threshold` of influence (embeddings and logits
     always), edges of the top `edge_threshold` of edge influence among them (normalized weight times the
     target's influence plus output weight), then, until nothing changes, edges only between kept nodes,
     features and errors without an outgoing edge dropped, features without an incoming edge dropped (unless
-    not `features_need_inputs`: to show that a fixture exercises that rule)."""
+    not `features_need_inputs`: to show that a fixture exercises that rule). `zero_edge_cut`: the edge cut
+    is zero (a fraction the running sum misses by rounding), where ours keeps the edges of nonzero weight."""
     weights = output_weights(graph)
     always = graph.embedding_start
     influence = influence_of(graph.adjacency_matrix, weights)
@@ -252,7 +254,10 @@ def pruned_by_definition(graph, node_threshold: float, edge_threshold: float, fe
     kept = graph.adjacency_matrix.double() * node_mask[:, None] * node_mask[None, :]
     normalized = kept.abs() / kept.abs().sum(1, keepdim=True).clamp(min=1e-10)
     edge_scores = normalized * (influence_of(kept, weights) + weights)[:, None]
-    edge_mask = edge_scores >= share_cut(edge_scores.flatten(), edge_threshold)
+    if zero_edge_cut:
+        edge_mask = kept != 0
+    else:
+        edge_mask = edge_scores >= share_cut(edge_scores.flatten(), edge_threshold)
     while True:
         edge_mask &= node_mask[:, None] & node_mask[None, :]
         before = node_mask.clone()
@@ -291,6 +296,26 @@ def hand_built():
 
 
 THRESHOLDS = [(0.8, 0.98), (0.6, 0.9), (0.9, 0.6), (0.8, 0.5), (0.95, 0.7)]
+
+
+@pytest.mark.parametrize("node_threshold", [0.6, 0.95])
+def test_prune_at_a_zero_edge_cut_keeps_the_kept_nodes_edges_of_nonzero_weight(hand_built, monkeypatch,
+                                                                                 node_threshold):
+    """Where the edge cut is zero, every kept node's edge of nonzero weight passes it, and then the rules
+    run: the definition's nodes and edges, whether fewer than half the nodes pass the node cut (0.6: prune
+    reads their rows only) or more (0.95: every row, in place)."""
+    import hooked_models.attribution.graph as graph_module
+
+    threshold = graph_module.top_threshold
+
+    def zero_edge_cut(scores, fraction, **kwargs):
+        return scores.new_zeros(()) if "n_scores" in kwargs else threshold(scores, fraction, **kwargs)
+
+    monkeypatch.setattr(graph_module, "top_threshold", zero_edge_cut)
+    pruned = hand_built.prune(node_threshold, 0.98)
+    node_mask, edge_mask = pruned_by_definition(hand_built, node_threshold, 0.98, zero_edge_cut=True)
+    assert torch.equal(pruned.node_mask, node_mask) and torch.equal(pruned.edge_mask, edge_mask)
+    assert int(edge_mask.sum()) > int(pruned_by_definition(hand_built, node_threshold, 0.98)[1].sum())
 
 
 @pytest.mark.parametrize("node_threshold, edge_threshold, inputs_rule_bites",
@@ -335,6 +360,16 @@ def test_top_threshold_sorts_only_the_nonzero_scores_and_is_circuit_tracers_thre
     assert torch.equal(top_threshold(scores, fraction, scratch=torch.full_like(scores, float("nan"))), expected)
     with pytest.raises(ValueError, match=r"scratch is torch.float32 \(3,\)"):
         top_threshold(scores, fraction, scratch=torch.zeros(3))
+    # the positive scores alone, the zeros counted by n_scores (prune's kept rows): the same, and past the
+    # running sum's end the last score is a zero when one is counted
+    part = scores[scores > 0]
+    for fraction_ in (fraction, 1.5):
+        expected_ = find_threshold_by_definition(scores, fraction_)
+        assert torch.equal(top_threshold(part, fraction_, n_scores=len(scores)), expected_)
+        assert torch.equal(top_threshold(part, fraction_, scratch=torch.full_like(scores, float("nan")),
+                                         n_scores=len(scores)), expected_)
+    with pytest.raises(ValueError, match=r"n_scores=3 is fewer than the 100"):
+        top_threshold(part[:100], fraction, n_scores=3)
     assert float(top_threshold(torch.zeros(5), fraction)) == 0.0  # no score above zero: the threshold is zero
     # a fraction past the running sum's end: the last score
     assert torch.equal(top_threshold(scores, 1.5), find_threshold_by_definition(scores, 1.5))
