@@ -245,25 +245,33 @@ class LinearBackward:
         return self._reads or None
 
     def _reads_pay(self) -> bool:
-        """Whether `_embedding_reads`' columns per position, (1 or 2) x heads x seq, are fewer than the
-        bottom block's products per position (its skip's d_in, the heads' width, the values' width)."""
+        """Whether `_embedding_reads`' columns a query position is dotted with, (1 or 2) x heads x its keys
+        (on average those of its block of queries, `_query_blocks`), are fewer than the bottom block's
+        products per position (its skip's d_in, the heads' width, the values' width)."""
         _, _, _, _, w_o, _, skip, kv, groups, head_dim = self.blocks[0]
         seq, parts = self.prompt.tokens.shape[1], 1 if skip is None else 2
-        return parts * kv * groups * seq < (0 if skip is None else skip.shape[1]) + w_o.shape[1] + kv * head_dim
+        keys = sum((stop - start) * stop for start, stop in _query_blocks(0, seq)) / seq
+        return parts * kv * groups * keys < (0 if skip is None else skip.shape[1]) + w_o.shape[1] + kv * head_dim
 
     def _bottom(self, g: Tensor, n: int, first: int, zero_edges: Tensor) -> tuple[Tensor, Tensor]:
         """The bottom block's transpose for gradients g [batch n-first hidden_size] at its output, dotted
         with the embedding at each position, [batch n-first], without the block's products: g against
-        `_embedding_reads`' columns for the n key positions (with the skip's: g_h = g + c2 (g W_skip) w2),
-        mixed by each head's pattern onto its keys, plus the residual path's dot at each position; with
-        `first`, position 0's key added to `zero_edges` (its values' share, as `_mixed` adds it)."""
+        `_embedding_reads`' columns for the key positions up to each block of queries' last (causal: a
+        query reads no later key; `_query_blocks`) (with the skip's: g_h = g + c2 (g W_skip) w2), mixed by
+        each head's pattern onto its keys, plus the residual path's dot at each position; with `first`,
+        position 0's key added to `zero_edges` (its values' share, as `_mixed` adds it)."""
         inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[0]
         reads, residual = self._embedding_reads()
         batch, m, d = g.shape
         heads, parts = kv * groups, residual.shape[2]
-        r = (g.reshape(batch * m, d) @ reads[:n].reshape(-1, d).T).view(batch, m, n, parts, heads)
-        s = r[..., 0, :] if parts == 1 else torch.addcmul(r[..., 0, :], r[..., 1, :], inv2[first:n].view(1, m, 1, 1))
-        keys = torch.einsum("bpjh,hpj->bj", s, pattern[:, first:n, :n]) * inv1[:n, 0]  # [batch n]
+        keys = g.new_zeros(batch, n)
+        for start, stop in _query_blocks(first, n):  # queries start ... stop-1 read keys 0 ... stop-1
+            q = g[:, start - first:stop - first].reshape(-1, d)
+            r = (q @ reads[:stop].reshape(-1, d).T).view(batch, stop - start, stop, parts, heads)
+            s = r[..., 0, :] if parts == 1 else torch.addcmul(r[..., 0, :], r[..., 1, :],
+                                                              inv2[start:stop].view(1, -1, 1, 1))
+            keys[:, :stop] += torch.einsum("bpjh,hpj->bj", s, pattern[:, start:stop, :stop])
+        keys *= inv1[:n, 0]  # [batch n]
         own = torch.bmm(g.transpose(0, 1), residual[first:n])  # [m batch parts]
         own = own[..., 0] if parts == 1 else torch.addcmul(own[..., 0], own[..., 1], inv2[first:n])
         if first:
@@ -400,6 +408,15 @@ class LinearBackward:
         target, at = _packed(position, first)
         out.zero_()
         out[target, at] = torch.addcmul(g_h[target, at], v[target, at].flatten(1) @ w_v, inv1[at + first])
+
+
+def _query_blocks(first: int, n: int) -> list[tuple[int, int]]:
+    """The query positions `first` ... n-1 in consecutive blocks (start, stop), at most 16 of them and
+    none shorter than 8 positions but the last: the bottom block dots each block's queries with the keys up
+    to its last (a query reads no later key), about half the products of every query against every key
+    on a long prompt, in products few enough to stay large."""
+    size = max(8, -(-(n - first) // 16))
+    return [(start, min(start + size, n)) for start in range(first, n, size)]
 
 
 def _packed(position: Tensor, first: int) -> tuple[Tensor, Tensor]:
