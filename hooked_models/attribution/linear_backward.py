@@ -304,11 +304,14 @@ class LinearBackward:
         positions `first` ... its own (the rest are zero: nothing later reaches it), packed [(target,
         position) hidden_size], or over all of them where the padding pays; only the mix is padded. With
         `first`, the value gradients at position 0 dotted with its embedding's values, added to `zero_edges`
-        (returned). `heads` [batch seq head head_dim]: the gradients at the head outputs, written in."""
+        (returned). `heads` [batch seq head head_dim]: the gradients at the head outputs, written in. g is
+        overwritten (where the padding pays, it holds the gradient at the attention's output after)."""
         inv1, inv2, w2, pattern, w_o, w_v, skip, kv, groups, head_dim = self.blocks[l]
         batch = g.shape[0]
         if self._padding_pays(position, n, first):
-            g_h = g if skip is None else torch.addcmul(g, (g @ skip).mul_(w2), inv2[first:n])
+            # g_h in g's own rows (the writer has read g, and nothing reads it after this block): one
+            # [batch n-first hidden_size] fewer held per target.
+            g_h = g if skip is None else g.addcmul_((g @ skip).mul_(w2), inv2[first:n])
             z = (g_h @ w_o).view(batch, n - first, kv, groups, head_dim)
             v, zero_edges = self._mixed(l, z, n, first, zero_edges, heads)
             self._to_input(l, g_h, v, position, n, first, out)
